@@ -1,0 +1,1 @@
+"""rabbit-delay: reliable "do this later" on RabbitMQ."""

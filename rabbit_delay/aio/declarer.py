@@ -1,0 +1,134 @@
+"""Execute the core's declaration program on an aio-pika connection."""
+
+from __future__ import annotations
+
+import aiormq
+from aio_pika.abc import AbstractConnection
+from aiormq.abc import AbstractChannel
+
+from rabbit_delay.errors import BrokerError, MissingObjectError, MissingPluginError
+from rabbit_delay.plan import (
+    Declare,
+    DeclareProgram,
+    PLUGIN_HINT,
+    UNKNOWN_EXCHANGE_TYPE,
+    DeclareReport,
+    ExchangeSpec,
+    Exists,
+    Kind,
+    Observed,
+    Operation,
+    Plan,
+    declare_program,
+    desired,
+    make_plan,
+    plan_from_presence,
+)
+from rabbit_delay.topology import Topology
+
+
+class _Executor:
+    """One operation at a time on the underlying aiormq channel; replaced when the broker
+    closes it (404 on a passive declare, 406 on a conflicting one)."""
+
+    def __init__(self, connection: AbstractConnection) -> None:
+        self.connection = connection
+        self._ch: AbstractChannel | None = None
+
+    async def channel(self) -> AbstractChannel:
+        if self._ch is None or self._ch.is_closed:
+            raw = await self.connection.channel()
+            self._ch = await raw.get_underlay_channel()
+        return self._ch
+
+    async def close(self) -> None:
+        if self._ch is not None and not self._ch.is_closed:
+            await self._ch.close()
+
+    async def __call__(self, op: Operation) -> object:
+        try:
+            return await self._run(op)
+        except aiormq.exceptions.ChannelNotFoundEntity as exc:
+            self._ch = None
+            if isinstance(op, Exists):
+                return False
+            raise MissingObjectError(f"{_text(exc)} (while {_describe(op)})") from None
+        except aiormq.exceptions.ChannelPreconditionFailed as exc:
+            self._ch = None
+            if isinstance(op, Declare):
+                return _text(exc)
+            raise BrokerError(f"{_text(exc)} (while {_describe(op)})") from None
+        except aiormq.exceptions.ChannelClosed as exc:
+            self._ch = None
+            raise BrokerError(f"{_text(exc)} (while {_describe(op)})") from None
+        except aiormq.exceptions.ConnectionClosed as exc:
+            if UNKNOWN_EXCHANGE_TYPE in _text(exc):
+                raise MissingPluginError(f"{_text(exc)}: {PLUGIN_HINT}") from None
+            raise BrokerError(f"connection closed by the broker: {_text(exc)}") from None
+
+    async def _run(self, op: Operation) -> object:
+        ch = await self.channel()
+        if isinstance(op, Exists | Declare):
+            passive = isinstance(op, Exists)
+            spec = op.spec
+            if isinstance(spec, ExchangeSpec):
+                await ch.exchange_declare(
+                    spec.name,
+                    exchange_type=spec.type,
+                    passive=passive,
+                    durable=spec.durable,
+                    arguments=dict(spec.arguments),  # type: ignore[arg-type]
+                )
+            else:
+                await ch.queue_declare(
+                    spec.name, passive=passive, durable=spec.durable, arguments=dict(spec.arguments)  # type: ignore[arg-type]
+                )
+            return True if passive else None
+        b = op.spec
+        if b.destination_type is Kind.QUEUE:
+            await ch.queue_bind(b.destination, b.source, routing_key=b.routing_key)
+        else:
+            await ch.exchange_bind(b.destination, b.source, routing_key=b.routing_key)
+        return None
+
+
+def _text(exc: BaseException) -> str:
+    frame = exc.args[0] if exc.args else None
+    reply = getattr(frame, "reply_text", None)
+    return str(reply) if reply is not None else str(exc)
+
+
+def _describe(op: Operation) -> str:
+    return f"{type(op).__name__.lower()} {op.spec.kind.value} {op.spec.name!r}"
+
+
+async def run_program(connection: AbstractConnection, program: DeclareProgram) -> DeclareReport:
+    """Drive a sans-I/O declaration program to its end."""
+    execute = _Executor(connection)
+    try:
+        op = next(program)
+        while True:
+            op = program.send(await execute(op))
+    except StopIteration as stop:
+        report: DeclareReport = stop.value
+        return report
+    finally:
+        await execute.close()
+
+
+async def declare(connection: AbstractConnection, topology: Topology, *, observed: Observed | None = None) -> DeclareReport:
+    """Declare the topology (see rabbit_delay.sync.declare for what it raises)."""
+    return await run_program(connection, declare_program(desired(topology), observed))
+
+
+async def plan(connection: AbstractConnection, topology: Topology, *, observed: Observed | None = None) -> Plan:
+    """What `declare` would do, changing nothing."""
+    want = desired(topology)
+    if observed is not None:
+        return make_plan(want, observed)
+    execute = _Executor(connection)
+    try:
+        present = {spec.name: bool(await execute(Exists(spec))) for spec in want.objects}
+    finally:
+        await execute.close()
+    return plan_from_presence(want, present)

@@ -1,0 +1,229 @@
+"""declare, plan, publish."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from rabbit_delay.cli._app import (
+    EXIT_ERROR,
+    EXIT_OK,
+    EXIT_PENDING,
+    JsonOpt,
+    TopologyArg,
+    UrlOpt,
+    app,
+    errors_to_exit,
+    fail,
+    out,
+    print_json,
+    resolve_topology,
+    url_for,
+)
+from rabbit_delay.durations import parse_ms
+from rabbit_delay.errors import DeclarationConflict, DurationError
+from rabbit_delay.plan import Action, Plan, PlanItem
+from rabbit_delay.topology import Topology
+from rabbit_delay.urls import management_endpoint, redact
+
+MgmtOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--management-url",
+        help="Management API base URL (default: derived from --url; $RABBIT_DELAY_MANAGEMENT_URL).",
+        show_default=False,
+    ),
+]
+NoMgmtOpt = Annotated[
+    bool, typer.Option("--no-management", help="Do not use the management API; probe with passive declares.")
+]
+
+_STYLE = {
+    Action.CREATE: "yellow",
+    Action.IN_PLACE: "green",
+    Action.CONFLICT: "bold red",
+    Action.PRESENT: "green",
+    Action.ENSURE: "cyan",
+}
+_DONE_WORDS = {Action.CREATE: "created", Action.IN_PLACE: "in place", Action.ENSURE: "ensured", Action.PRESENT: "in place"}
+
+
+def _observe(topology: Topology, url: str, management_url: str | None, no_management: bool):  # type: ignore[no-untyped-def]
+    from rabbit_delay.sync.declarer import observe
+
+    return None if no_management else observe(management_endpoint(url, management_url), topology)
+
+
+def _items_json(items: tuple[PlanItem, ...], words: dict[Action, str] | None = None) -> list[dict[str, Any]]:
+    return [
+        {
+            "kind": i.kind.value,
+            "name": i.name,
+            "action": (words or {}).get(i.action, i.action.value),
+            "conflicts": [
+                {"argument": c.argument, "on_broker": c.on_broker, "wanted": c.wanted} for c in i.conflicts
+            ],
+        }
+        for i in items
+    ]
+
+
+def _table(title: str, items: tuple[PlanItem, ...], words: dict[Action, str] | None = None) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("kind")
+    table.add_column("name", overflow="fold")
+    table.add_column("status")
+    for i in items:
+        word = (words or {}).get(i.action, i.action.value)
+        detail = "; ".join(f"{c.argument}: broker {c.on_broker!r}, wanted {c.wanted!r}" for c in i.conflicts)
+        table.add_row(i.kind.value, escape(i.name), f"[{_STYLE[i.action]}]{word}[/]" + (f" ({escape(detail)})" if detail else ""))
+    return table
+
+
+def _summary(plan: Plan) -> str:
+    counts: dict[str, int] = {}
+    for i in plan.items:
+        counts[i.action.value] = counts.get(i.action.value, 0) + 1
+    return ", ".join(f"{n} {a}" for a, n in counts.items())
+
+
+@app.command()
+def plan(
+    file: TopologyArg = None,
+    url: UrlOpt = None,
+    management_url: MgmtOpt = None,
+    no_management: NoMgmtOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Show what `declare` would create, and any conflict, without changing anything.
+
+    Exit code: 0 in sync, 2 changes pending, 1 error (conflicts count as pending).
+    """
+    from rabbit_delay.sync import connect
+    from rabbit_delay.sync import plan as sync_plan
+
+    with errors_to_exit():
+        topology = resolve_topology(file)
+        broker = url_for(url)
+        observed = _observe(topology, broker, management_url, no_management)
+        connection = connect(broker, name="rabbit-delay plan")
+        try:
+            result = sync_plan(connection, topology, observed=observed)
+        finally:
+            connection.close()
+    source = "management API" if observed is not None else "passive declares (arguments not compared)"
+    if as_json:
+        print_json(
+            {"in_sync": result.in_sync, "source": source, "broker": redact(broker), "items": _items_json(result.items)}
+        )
+    else:
+        out.print(_table(escape(f"plan for {topology.names.prefix} on {redact(broker)} (read via {source})"), result.items))
+        for conflict in result.conflicts:
+            out.print(f"[bold red]conflict:[/] {escape(conflict.describe())}")
+        state = "in sync" if result.in_sync else "changes pending"
+        out.print(f"{_summary(result)} -> {state}")
+    raise typer.Exit(EXIT_OK if result.in_sync else EXIT_PENDING)
+
+
+@app.command()
+def declare(
+    file: TopologyArg = None,
+    url: UrlOpt = None,
+    management_url: MgmtOpt = None,
+    no_management: NoMgmtOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Declare the topology: tier buffers, due/catch-all/parking exchanges, business queues.
+
+    Idempotent. Shows the plan first; stops without changing anything when an object
+    exists with other arguments.
+    """
+    from rabbit_delay.sync import connect
+    from rabbit_delay.sync import declare as sync_declare
+    from rabbit_delay.sync import plan as sync_plan
+
+    with errors_to_exit():
+        topology = resolve_topology(file)
+        broker = url_for(url)
+        observed = _observe(topology, broker, management_url, no_management)
+        connection = connect(broker, name="rabbit-delay declare")
+        try:
+            before = sync_plan(connection, topology, observed=observed)
+            if not as_json:
+                out.print(_table(f"plan for {topology.names.prefix} on {redact(broker)}", before.items))
+            try:
+                report = sync_declare(connection, topology, observed=observed)
+            except DeclarationConflict as exc:
+                if as_json:
+                    print_json({"ok": False, "error": str(exc), "items": _items_json(before.items)})
+                raise
+        finally:
+            if connection.is_open:
+                connection.close()
+    if as_json:
+        print_json({"ok": True, "changed": report.changed, "items": _items_json(report.items, _DONE_WORDS)})
+        return
+    out.print(_table("result", report.items, _DONE_WORDS))
+    created = len(report.created)
+    out.print(f"{created} object(s) created" if report.changed else "nothing to do: everything was already in place")
+
+
+def _parse_delay(delay: str | None) -> timedelta | None:
+    if delay is None:
+        return None
+    try:
+        return timedelta(milliseconds=parse_ms(delay))
+    except DurationError as exc:
+        fail(str(exc))
+
+
+@app.command()
+def publish(
+    message: Annotated[str, typer.Argument(help="JSON body, e.g. '{\"order_id\": 42}'; '-' reads stdin.")],
+    queue: Annotated[str | None, typer.Option("--queue", "-q", help="Target business queue (logical name).")] = None,
+    routing_key: Annotated[str | None, typer.Option("--routing-key", help="Target by a declared binding key.")] = None,
+    tier: Annotated[str | None, typer.Option("--tier", "-t", help="Delay tier name, e.g. 30m.")] = None,
+    delay: Annotated[str | None, typer.Option("--delay", "-d", help="Delay such as 90s; must match a tier unless the topology has a cascade or plugin.")] = None,
+    message_id: Annotated[str | None, typer.Option("--message-id", help="Idempotency key (default: generated).")] = None,
+    file: Annotated[Path | None, typer.Option("--topology", "-f", help="Topology file.")] = None,
+    url: UrlOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Publish one delayed JSON message (confirmed, persistent, mandatory)."""
+    from rabbit_delay.sync import Publisher
+
+    if message == "-":
+        message = typer.get_text_stream("stdin").read()
+    try:
+        body = json.loads(message)
+    except json.JSONDecodeError as exc:
+        fail(f"MESSAGE is not valid JSON ({exc}); quote it, e.g. '{{\"order_id\": 42}}'")
+    if not isinstance(body, dict | list):
+        fail("MESSAGE must be a JSON object or array")
+    with errors_to_exit():
+        topology = resolve_topology(file)
+        with Publisher(topology, url_for(url)) as publisher:
+            out_msg = publisher.prepare(
+                body, tier, queue=queue, routing_key=routing_key, delay=_parse_delay(delay), message_id=message_id
+            )
+            publisher.publish_outgoing((out_msg,))
+    result = {
+        "message_id": out_msg.message_id,
+        "exchange": out_msg.exchange,
+        "routing_key": out_msg.routing_key,
+        "due_at_ms": out_msg.headers["rd-due-at"],
+        "tier": out_msg.headers["rd-tier"],
+    }
+    if as_json:
+        print_json(result)
+    else:
+        out.print(f"published {result['message_id']} via {result['exchange']} ({result['tier']}), due at ms {result['due_at_ms']}")
+
+
+__all__ = ["EXIT_ERROR", "declare", "plan", "publish"]

@@ -1,0 +1,114 @@
+"""Every name rabbit-delay declares or reads on the broker, decided here and only here.
+
+Names are pure functions of (namespace, version, ...). The version segment lets an
+incompatible topology be declared beside the old one instead of fighting 406s:
+`shop.v1.delay.5m` and `shop.v2.delay.5m` coexist while v1 drains.
+
+Headers are the project's own (`rd-*`), never `x-*`: from RabbitMQ 3.13 the broker
+treats `x-` headers as its own and 4.x ignores a client-published `x-death`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Headers written by the publisher and read by the consumer framework.
+H_DUE_AT = "rd-due-at"  # scheduled delivery time, UTC epoch milliseconds
+H_TIER = "rd-tier"  # tier name, or "cascade" / "plugin" for arbitrary delays
+H_DELAY_MS = "rd-delay-ms"  # the delay requested, milliseconds
+H_ATTEMPT = "rd-attempt"  # 1 for the first delivery attempt, +1 per retry
+H_TARGET = "rd-target"  # the routing key the message was published for
+# Parking-lot headers (consumer framework).
+H_ERROR_TYPE = "rd-error-type"
+H_ERROR_MESSAGE = "rd-error-message"
+H_ERROR_TRACEBACK = "rd-error-traceback"
+H_ORIGINAL_QUEUE = "rd-original-queue"
+H_FIRST_FAILURE = "rd-first-failure-at"
+H_LAST_FAILURE = "rd-last-failure-at"
+H_PARK_REASON = "rd-park-reason"
+# Broker-owned headers stripped before any re-publish.
+BROKER_HEADER_PREFIXES = ("x-death", "x-first-death-", "x-last-death-")
+# The delayed-message plugin's delay header (milliseconds).
+H_PLUGIN_DELAY = "x-delay"
+
+TIER_KIND = "delay"
+CASCADE_KIND = "cascade"
+
+
+@dataclass(frozen=True, slots=True)
+class Names:
+    """Naming scheme for one topology: `{namespace}.v{version}.{kind}[.{detail}]`."""
+
+    namespace: str
+    version: int = 1
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.namespace}.v{self.version}"
+
+    # Delay tiers: one exchange (fanout) and one TTL buffer queue per tier, same name.
+    def tier_exchange(self, tier: str) -> str:
+        return f"{self.prefix}.{TIER_KIND}.{tier}"
+
+    def tier_queue(self, tier: str) -> str:
+        return f"{self.prefix}.{TIER_KIND}.{tier}"
+
+    # Due messages (expired from a buffer) are routed to business queues from here.
+    def due_exchange(self) -> str:
+        return f"{self.prefix}.due"
+
+    # Catch-all for due messages that match no business queue.
+    def unroutable_exchange(self) -> str:
+        return f"{self.prefix}.unroutable"
+
+    def unroutable_queue(self) -> str:
+        return f"{self.prefix}.unroutable"
+
+    # Business queues and the routing key that reaches exactly one of them.
+    def business_queue(self, queue: str) -> str:
+        return f"{self.prefix}.q.{queue}"
+
+    def queue_key(self, queue: str) -> str:
+        """The routing key unique to one business queue (its full name, like the default exchange)."""
+        return self.business_queue(queue)
+
+    # Parking lots: one durable queue per business queue, behind one direct exchange.
+    def parking_exchange(self) -> str:
+        return f"{self.prefix}.parking"
+
+    def parking_queue(self, queue: str) -> str:
+        return f"{self.prefix}.parking.{queue}"
+
+    # Binary cascade levels (issue: arbitrary delays without the plugin).
+    def cascade_exchange(self, level: int) -> str:
+        return f"{self.prefix}.{CASCADE_KIND}.{level:02d}"
+
+    def cascade_queue(self, level: int) -> str:
+        return f"{self.prefix}.{CASCADE_KIND}.{level:02d}"
+
+    def cascade_deliver_exchange(self) -> str:
+        """Topic exchange after level 0: routes by the destination word of the key."""
+        return f"{self.prefix}.{CASCADE_KIND}.deliver"
+
+    # The x-delayed-message plugin exchange.
+    def plugin_exchange(self) -> str:
+        return f"{self.prefix}.delayed"
+
+    def parse(self, name: str) -> tuple[str, str]:
+        """Inverse of the builders: `(kind, detail)` for a name of this scheme.
+
+        kind is one of delay, due, unroutable, q, parking, cascade, delayed.
+        Raises ValueError for a name this scheme did not produce.
+        """
+        head = self.prefix + "."
+        if not name.startswith(head):
+            raise ValueError(f"{name!r} is not in namespace {self.prefix!r}")
+        rest = name[len(head) :]
+        kind, _, detail = rest.partition(".")
+        if kind in ("due", "unroutable", "delayed") and not detail:
+            return kind, ""
+        if kind in (TIER_KIND, "q", "parking", CASCADE_KIND) and detail:
+            return kind, detail
+        if kind == "parking" and not detail:
+            return kind, ""
+        raise ValueError(f"{name!r} is not a name of this scheme")

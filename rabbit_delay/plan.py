@@ -1,0 +1,420 @@
+"""What a topology needs on the broker, how that compares with what is there, and the
+order in which to declare it. Pure: the transports execute, this module decides.
+
+Declaring is a two-phase program written as a generator (sans-I/O): it yields
+operations, the pika or aio-pika driver executes each one and sends back the result.
+Phase 1 checks every existing object (no change to anything); only when no conflict was
+found does phase 2 create what is missing and bind. So a conflict never leaves the
+topology half-declared.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TypedDict
+
+from rabbit_delay.errors import ArgumentConflict, DeclarationConflict
+from rabbit_delay.topology import QueueType, Topology
+
+
+# A broker without the delayed-message plugin closes the whole connection with
+# "503 COMMAND_INVALID - unknown exchange type 'x-delayed-message'".
+UNKNOWN_EXCHANGE_TYPE = "unknown exchange type"
+PLUGIN_HINT = (
+    "the broker has no 'x-delayed-message' exchange type: enable the plugin with "
+    "`rabbitmq-plugins enable rabbitmq_delayed_message_exchange` (docker-compose.yml "
+    "builds a broker that has it), or replace the [plugin] table with [cascade]"
+)
+
+
+class QueueArguments(TypedDict, total=False):
+    """The `x-arguments` rabbit-delay sets on queues."""
+
+    # Queue-level TTL, never per-message expiration: RabbitMQ only expires the head of
+    # a queue, so with one TTL per queue, FIFO order equals expiry order.
+    x_message_ttl: int
+    x_dead_letter_exchange: str
+    x_dead_letter_strategy: str
+    x_overflow: str
+    x_queue_type: str
+    x_delivery_limit: int
+
+
+class ExchangeArguments(TypedDict, total=False):
+    alternate_exchange: str
+    x_delayed_type: str
+
+
+def _wire(args: Mapping[str, object]) -> dict[str, object]:
+    """TypedDict keys use '_' (Python identifiers); the broker's use '-'."""
+    return {key.replace("_", "-"): value for key, value in args.items()}
+
+
+class Kind(StrEnum):
+    EXCHANGE = "exchange"
+    QUEUE = "queue"
+    BINDING = "binding"
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeSpec:
+    name: str
+    type: str
+    arguments: Mapping[str, object] = field(default_factory=dict)
+    durable: bool = True
+
+    kind = Kind.EXCHANGE
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSpec:
+    name: str
+    arguments: Mapping[str, object] = field(default_factory=dict)
+    durable: bool = True
+
+    kind = Kind.QUEUE
+
+
+@dataclass(frozen=True, slots=True)
+class BindingSpec:
+    source: str  # exchange
+    destination: str  # queue or exchange
+    routing_key: str
+    destination_type: Kind = Kind.QUEUE
+
+    kind = Kind.BINDING
+
+    @property
+    def name(self) -> str:
+        arrow = "->" if self.destination_type is Kind.QUEUE else "=>"
+        return f"{self.source} {arrow} {self.destination} [{self.routing_key}]"
+
+
+ObjectSpec = ExchangeSpec | QueueSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Desired:
+    exchanges: tuple[ExchangeSpec, ...]
+    queues: tuple[QueueSpec, ...]
+    bindings: tuple[BindingSpec, ...]
+
+    @property
+    def objects(self) -> tuple[ObjectSpec, ...]:
+        # Exchanges first: a queue's dead-letter exchange should exist before the queue.
+        return (*self.exchanges, *self.queues)
+
+
+def _dead_letter_args(topology: Topology, dlx: str) -> dict[str, object]:
+    args: dict[str, object] = {"x-dead-letter-exchange": dlx}
+    if topology.queue_type is QueueType.QUORUM:
+        # All three are needed for at-least-once dead-lettering; with the default
+        # overflow, a quorum queue falls back to at-most-once without a word.
+        args |= {
+            "x-queue-type": "quorum",
+            "x-dead-letter-strategy": "at-least-once",
+            "x-overflow": "reject-publish",
+        }
+    return args
+
+
+def _plain_queue_args(topology: Topology) -> dict[str, object]:
+    return {"x-queue-type": "quorum"} if topology.queue_type is QueueType.QUORUM else {}
+
+
+def desired(topology: Topology) -> Desired:
+    """Every exchange, queue and binding the topology needs, with its arguments."""
+    n = topology.names
+    catch_all = n.unroutable_exchange()
+    exchanges = [
+        ExchangeSpec(catch_all, "fanout"),
+        ExchangeSpec(n.due_exchange(), "direct", {"alternate-exchange": catch_all}),
+        ExchangeSpec(n.parking_exchange(), "direct", {"alternate-exchange": catch_all}),
+    ]
+    queues = [QueueSpec(n.unroutable_queue(), _plain_queue_args(topology))]
+    bindings = [BindingSpec(catch_all, n.unroutable_queue(), "")]
+
+    for tier, ms in topology.tiers.items():
+        # The tier exchange is what publishers target: a fanout into the buffer, so a
+        # publish is unroutable (and returned under `mandatory`) only if the buffer is gone.
+        exchanges.append(ExchangeSpec(n.tier_exchange(tier), "fanout"))
+        args = _dead_letter_args(topology, n.due_exchange()) | {"x-message-ttl": ms}
+        queues.append(QueueSpec(n.tier_queue(tier), args))
+        bindings.append(BindingSpec(n.tier_exchange(tier), n.tier_queue(tier), ""))
+
+    for queue, cfg in topology.queues.items():
+        name = n.business_queue(queue)
+        args = _dead_letter_args(topology, n.parking_exchange())
+        if topology.queue_type is QueueType.QUORUM:
+            args["x-delivery-limit"] = cfg.delivery_limit
+        queues.append(QueueSpec(name, args))
+        queues.append(QueueSpec(n.parking_queue(queue), _plain_queue_args(topology)))
+        for key in (n.queue_key(queue), *cfg.bindings):
+            bindings.append(BindingSpec(n.due_exchange(), name, key))
+        bindings.append(BindingSpec(n.parking_exchange(), n.parking_queue(queue), n.queue_key(queue)))
+
+    if topology.cascade is not None:
+        _add_cascade(topology, exchanges, queues, bindings)
+    if topology.plugin is not None:
+        _add_plugin(topology, exchanges, bindings)
+    return Desired(tuple(exchanges), tuple(queues), tuple(bindings))
+
+
+def _add_cascade(
+    topology: Topology,
+    exchanges: list[ExchangeSpec],
+    queues: list[QueueSpec],
+    bindings: list[BindingSpec],
+) -> None:
+    """Level L: a topic exchange and a queue holding messages 2^L units, dead-lettering
+    into level L-1 (level 0 into the delivery exchange). A key's bit for level L decides:
+    1 parks the message in queue L, 0 passes it straight to the next exchange."""
+    cfg = topology.cascade
+    assert cfg is not None
+    n = topology.names
+    catch_all = n.unroutable_exchange()
+    deliver = n.cascade_deliver_exchange()
+    exchanges.append(ExchangeSpec(deliver, "topic", {"alternate-exchange": catch_all}))
+    for level in range(cfg.levels):
+        exchange = n.cascade_exchange(level)
+        exchanges.append(ExchangeSpec(exchange, "topic", {"alternate-exchange": catch_all}))
+        next_hop = n.cascade_exchange(level - 1) if level else deliver
+        args = _dead_letter_args(topology, next_hop) | {"x-message-ttl": (2**level) * cfg.resolution}
+        queues.append(QueueSpec(n.cascade_queue(level), args))
+        skip = "*." * (cfg.levels - 1 - level)  # the more significant bits
+        bindings.append(BindingSpec(exchange, n.cascade_queue(level), f"{skip}1.#"))
+        bindings.append(BindingSpec(exchange, next_hop, f"{skip}0.#", Kind.EXCHANGE))
+    every_bit = "*." * cfg.levels
+    for queue, qcfg in topology.queues.items():
+        dest = qcfg.alias or queue
+        bindings.append(BindingSpec(deliver, n.business_queue(queue), f"{every_bit}{dest}"))
+
+
+def _add_plugin(topology: Topology, exchanges: list[ExchangeSpec], bindings: list[BindingSpec]) -> None:
+    cfg = topology.plugin
+    assert cfg is not None
+    n = topology.names
+    name = n.plugin_exchange()
+    args = {"x-delayed-type": cfg.delayed_type, "alternate-exchange": n.unroutable_exchange()}
+    exchanges.append(ExchangeSpec(name, "x-delayed-message", args))
+    for queue, qcfg in topology.queues.items():
+        for key in (n.queue_key(queue), *qcfg.bindings):
+            bindings.append(BindingSpec(name, n.business_queue(queue), key))
+
+
+# -- comparing with the broker ----------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ExistingObject:
+    """An object as the broker reports it (management API)."""
+
+    arguments: Mapping[str, object]
+    durable: bool = True
+    type: str | None = None  # exchanges only
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """What the management API reported. `bindings` is None when it was not read."""
+
+    exchanges: Mapping[str, ExistingObject]
+    queues: Mapping[str, ExistingObject]
+    bindings: frozenset[tuple[str, str, str, str]] | None = None
+
+
+class Action(StrEnum):
+    CREATE = "create"  # missing: declare will create it
+    IN_PLACE = "in place"  # exists as wanted
+    CONFLICT = "conflict"  # exists with other arguments
+    PRESENT = "present"  # exists; arguments not readable (no management API)
+    ENSURE = "ensure"  # binding whose presence cannot be read; binding is idempotent
+
+
+@dataclass(frozen=True, slots=True)
+class PlanItem:
+    kind: Kind
+    name: str
+    action: Action
+    conflicts: tuple[ArgumentConflict, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    items: tuple[PlanItem, ...]
+
+    @property
+    def conflicts(self) -> tuple[ArgumentConflict, ...]:
+        return tuple(c for item in self.items for c in item.conflicts)
+
+    @property
+    def pending(self) -> tuple[PlanItem, ...]:
+        return tuple(i for i in self.items if i.action in (Action.CREATE, Action.CONFLICT))
+
+    @property
+    def in_sync(self) -> bool:
+        return not self.pending
+
+
+def compare(spec: ObjectSpec, existing: ExistingObject) -> tuple[ArgumentConflict, ...]:
+    """Arguments whose value on the broker differs from the one wanted."""
+    kind = spec.kind.value
+    found: list[ArgumentConflict] = []
+    if isinstance(spec, ExchangeSpec) and existing.type is not None and existing.type != spec.type:
+        found.append(ArgumentConflict(kind, spec.name, "type", existing.type, spec.type))
+    if existing.durable != spec.durable:
+        found.append(ArgumentConflict(kind, spec.name, "durable", existing.durable, spec.durable))
+    wanted = dict(spec.arguments)
+    have = dict(existing.arguments)
+    for arg in sorted(set(wanted) | set(have)):
+        if wanted.get(arg) != have.get(arg):
+            found.append(ArgumentConflict(kind, spec.name, arg, have.get(arg), wanted.get(arg)))
+    return tuple(found)
+
+
+def make_plan(want: Desired, observed: Observed) -> Plan:
+    items: list[PlanItem] = []
+    for spec in want.objects:
+        table = observed.exchanges if isinstance(spec, ExchangeSpec) else observed.queues
+        existing = table.get(spec.name)
+        if existing is None:
+            items.append(PlanItem(spec.kind, spec.name, Action.CREATE))
+        else:
+            conflicts = compare(spec, existing)
+            action = Action.CONFLICT if conflicts else Action.IN_PLACE
+            items.append(PlanItem(spec.kind, spec.name, action, conflicts))
+    for b in want.bindings:
+        if observed.bindings is None:
+            action = Action.ENSURE
+        else:
+            key = (b.source, b.destination, b.destination_type.value, b.routing_key)
+            action = Action.IN_PLACE if key in observed.bindings else Action.CREATE
+        items.append(PlanItem(Kind.BINDING, b.name, action))
+    return Plan(tuple(items))
+
+
+def plan_from_presence(want: Desired, present: Mapping[str, bool]) -> Plan:
+    """Plan from passive declares only: objects are present or missing, arguments
+    unread, bindings unknown (binding is idempotent, so declare simply ensures them)."""
+    items = [PlanItem(s.kind, s.name, Action.PRESENT if present[s.name] else Action.CREATE) for s in want.objects]
+    items += [PlanItem(Kind.BINDING, b.name, Action.ENSURE) for b in want.bindings]
+    return Plan(tuple(items))
+
+
+# -- the declaration program ------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Exists:
+    """Passive declare: does the object exist? The driver answers a bool."""
+
+    spec: ObjectSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Declare:
+    """Active declare on a throwaway channel. The driver answers None, or the text of a
+    406 PRECONDITION_FAILED reply."""
+
+    spec: ObjectSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Bind:
+    spec: BindingSpec
+
+
+Operation = Exists | Declare | Bind
+
+_INEQUIVALENT = re.compile(
+    r"inequivalent arg '(?P<arg>[^']+)' for (?P<kind>queue|exchange) '(?P<name>[^']*)'.*?"
+    r"received (?:the value '(?P<recv>[^']*)'|'(?P<recv2>[^']*)'|none).*?"
+    r"current is (?:the value '(?P<cur>[^']*)'|'(?P<cur2>[^']*)'|none)",
+    re.S,
+)
+
+
+def conflict_from_reply(spec: ObjectSpec, reply: str) -> ArgumentConflict:
+    """Turn the broker's 406 text into a structured conflict (best effort)."""
+    m = _INEQUIVALENT.search(reply)
+    if m is None:
+        return ArgumentConflict(spec.kind.value, spec.name, "?", reply, "see topology")
+    arg = m["arg"]
+    current = m["cur"] if m["cur"] is not None else m["cur2"]
+    wanted: object = spec.arguments.get(arg)
+    if arg == "type" and isinstance(spec, ExchangeSpec):
+        wanted = spec.type
+    elif arg == "durable":
+        wanted = spec.durable
+    return ArgumentConflict(spec.kind.value, spec.name, arg, current, wanted)
+
+
+@dataclass(frozen=True, slots=True)
+class DeclareReport:
+    """What `declare` did, per object."""
+
+    items: tuple[PlanItem, ...]
+
+    @property
+    def created(self) -> tuple[PlanItem, ...]:
+        return tuple(i for i in self.items if i.action is Action.CREATE)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.created)
+
+
+DeclareProgram = Generator[Operation, object, DeclareReport]
+
+
+def declare_program(want: Desired, observed: Observed | None = None) -> DeclareProgram:
+    """Yield the operations that bring the broker to `want`; return what was done.
+
+    With `observed` (management API) the check phase needs no round trips; without it,
+    each object is probed with a passive declare and, if present, re-declared on a
+    throwaway channel, which the broker accepts unchanged or refuses with 406.
+
+    Raises DeclarationConflict before creating anything if any object conflicts.
+    """
+    present: dict[str, bool] = {}
+    conflicts: list[ArgumentConflict] = []
+    items: dict[tuple[Kind, str], PlanItem] = {}
+    if observed is not None:
+        plan = make_plan(want, observed)
+        for item in plan.items:
+            items[(item.kind, item.name)] = item
+            present[item.name] = item.action is not Action.CREATE
+        conflicts.extend(plan.conflicts)
+    else:
+        for spec in want.objects:
+            exists = yield Exists(spec)
+            present[spec.name] = bool(exists)
+            action = Action.CREATE
+            if exists:
+                reply = yield Declare(spec)
+                if reply is None:
+                    action = Action.IN_PLACE
+                else:
+                    conflict = conflict_from_reply(spec, str(reply))
+                    conflicts.append(conflict)
+                    action = Action.CONFLICT
+            items[(spec.kind, spec.name)] = PlanItem(spec.kind, spec.name, action)
+    if conflicts:
+        raise DeclarationConflict(conflicts)
+
+    for spec in want.objects:
+        if not present[spec.name]:
+            reply = yield Declare(spec)
+            if reply is not None:  # created concurrently by someone else, differently
+                raise DeclarationConflict([conflict_from_reply(spec, str(reply))])
+    for binding in want.bindings:
+        item = items.get((Kind.BINDING, binding.name))
+        if item is None or item.action is not Action.IN_PLACE:
+            yield Bind(binding)
+            if item is None:
+                item = PlanItem(Kind.BINDING, binding.name, Action.ENSURE)
+            items[(Kind.BINDING, binding.name)] = item
+    ordered = [items[(s.kind, s.name)] for s in want.objects]
+    ordered += [items[(Kind.BINDING, b.name)] for b in want.bindings]
+    return DeclareReport(tuple(ordered))

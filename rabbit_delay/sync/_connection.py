@@ -1,0 +1,21 @@
+"""pika connections: open with a redacted error, translate broker replies."""
+
+from __future__ import annotations
+
+import pika
+import pika.exceptions
+
+from rabbit_delay.errors import BrokerUnavailable
+from rabbit_delay.urls import broker_url, redact
+
+
+
+def connect(url: str | None = None, *, name: str = "rabbit-delay") -> pika.BlockingConnection:
+    """Open a blocking connection. Raises BrokerUnavailable (password redacted)."""
+    url = broker_url(url)
+    try:
+        params = pika.URLParameters(url)
+        params.client_properties = {"connection_name": name}
+        return pika.BlockingConnection(params)
+    except (pika.exceptions.AMQPError, OSError, ValueError) as exc:
+        raise BrokerUnavailable(f"cannot connect to {redact(url)}: {redact(repr(exc))}") from None

@@ -1,0 +1,142 @@
+"""Execute the core's declaration program on a pika connection."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pika
+import pika.exceptions
+from pika.adapters.blocking_connection import BlockingChannel
+
+from rabbit_delay.errors import BrokerError, MissingObjectError, MissingPluginError
+from rabbit_delay.management import ManagementUnavailable, read_observed
+from rabbit_delay.plan import (
+    Bind,
+    Declare,
+    DeclareProgram,
+    PLUGIN_HINT,
+    UNKNOWN_EXCHANGE_TYPE,
+    DeclareReport,
+    Desired,
+    Exists,
+    ExchangeSpec,
+    Kind,
+    Observed,
+    Operation,
+    Plan,
+    declare_program,
+    desired,
+    make_plan,
+    plan_from_presence,
+)
+from rabbit_delay.topology import Topology
+from rabbit_delay.urls import ManagementEndpoint
+
+class _Executor:
+    """Runs one operation at a time; a channel closed by a 404/406 is replaced."""
+
+    def __init__(self, connection: pika.BlockingConnection) -> None:
+        self.connection = connection
+        self._ch: BlockingChannel | None = None
+
+    @property
+    def channel(self) -> BlockingChannel:
+        if self._ch is None or not self._ch.is_open:
+            self._ch = self.connection.channel()
+        return self._ch
+
+    def close(self) -> None:
+        if self._ch is not None and self._ch.is_open:
+            self._ch.close()
+
+    def __call__(self, op: Operation) -> object:
+        try:
+            return self._run(op)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            self._ch = None
+            if isinstance(op, Exists) and exc.reply_code == 404:
+                return False
+            if isinstance(op, Declare) and exc.reply_code == 406:
+                return exc.reply_text
+            if exc.reply_code == 404:
+                raise MissingObjectError(f"{exc.reply_text} (while {_describe(op)})") from None
+            raise BrokerError(f"{exc.reply_code} {exc.reply_text} (while {_describe(op)})") from None
+        except pika.exceptions.ConnectionClosedByBroker as exc:
+            if UNKNOWN_EXCHANGE_TYPE in exc.reply_text:
+                raise MissingPluginError(f"{exc.reply_text}: {PLUGIN_HINT}") from None
+            raise BrokerError(f"connection closed by the broker: {exc.reply_code} {exc.reply_text}") from None
+
+    def _run(self, op: Operation) -> object:
+        ch = self.channel
+        if isinstance(op, Exists | Declare):
+            passive = isinstance(op, Exists)
+            spec = op.spec
+            if isinstance(spec, ExchangeSpec):
+                ch.exchange_declare(
+                    spec.name, spec.type, passive=passive, durable=spec.durable, arguments=dict(spec.arguments)
+                )
+            else:
+                ch.queue_declare(spec.name, passive=passive, durable=spec.durable, arguments=dict(spec.arguments))
+            return True if passive else None
+        b = op.spec
+        if b.destination_type is Kind.QUEUE:
+            ch.queue_bind(b.destination, b.source, routing_key=b.routing_key)
+        else:
+            ch.exchange_bind(b.destination, b.source, routing_key=b.routing_key)
+        return None
+
+
+def _describe(op: Operation) -> str:
+    return f"{type(op).__name__.lower()} {op.spec.kind.value} {op.spec.name!r}"
+
+
+def run_program(connection: pika.BlockingConnection, program: DeclareProgram) -> DeclareReport:
+    """Drive a sans-I/O declaration program to its end."""
+    execute: Callable[[Operation], object] = _Executor(connection)
+    try:
+        op = next(program)
+        while True:
+            op = program.send(execute(op))
+    except StopIteration as stop:
+        report: DeclareReport = stop.value
+        return report
+    finally:
+        execute.close()  # type: ignore[attr-defined]
+
+
+def observe(endpoint: ManagementEndpoint | None, topology: Topology) -> Observed | None:
+    """What the management API says exists, or None to fall back to passive declares."""
+    if endpoint is None:
+        return None
+    try:
+        return read_observed(endpoint, topology.names.prefix + ".")
+    except ManagementUnavailable:
+        return None
+
+
+def declare(
+    connection: pika.BlockingConnection,
+    topology: Topology,
+    *,
+    observed: Observed | None = None,
+) -> DeclareReport:
+    """Declare the topology. Raises DeclarationConflict (nothing changed),
+    MissingPluginError, MissingObjectError or BrokerError."""
+    return run_program(connection, declare_program(desired(topology), observed))
+
+
+def plan(connection: pika.BlockingConnection, topology: Topology, *, observed: Observed | None = None) -> Plan:
+    """What `declare` would do, changing nothing.
+
+    With `observed` (management API) arguments are compared; without it, each object
+    is probed with a passive declare: present or missing, arguments unread.
+    """
+    want: Desired = desired(topology)
+    if observed is not None:
+        return make_plan(want, observed)
+    execute = _Executor(connection)
+    try:
+        present = {spec.name: bool(execute(Exists(spec))) for spec in want.objects}
+    finally:
+        execute.close()
+    return plan_from_presence(want, present)

@@ -1,0 +1,262 @@
+"""Topology: delay tiers, business queues and their policies, as frozen pydantic models.
+
+A topology is what the user writes under `topology/` (TOML, read with the standard
+library). Every model forbids unknown keys, so a typo is an error naming the file and
+the field, never a setting silently ignored.
+"""
+
+from __future__ import annotations
+
+import tomllib
+import types
+import typing
+from enum import StrEnum
+from functools import cached_property
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+from rabbit_delay.durations import MAX_TTL_MS, parse_ms, parse_positive_ms
+from rabbit_delay.errors import TopologyError
+from rabbit_delay.names import Names
+
+
+class QueueType(StrEnum):
+    """Queue type for every queue of a topology. Quorum is the default: replicated, and
+    the only type with at-least-once dead-lettering."""
+
+    QUORUM = "quorum"
+    CLASSIC = "classic"
+
+
+def _tier_ms(value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        raise ValueError(f"{value!r}: write a duration with its unit, such as '{value}s' or '{value}m'")
+    return parse_positive_ms(value, maximum=MAX_TTL_MS)  # type: ignore[arg-type]
+
+
+def _any_ms(value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        raise ValueError(f"{value!r}: write a duration with its unit, such as '{value}s'")
+    return parse_ms(value)  # type: ignore[arg-type]
+
+
+# Durations are written as text ("5m") and held as whole milliseconds.
+TierDuration = Annotated[int, BeforeValidator(_tier_ms)]
+Duration = Annotated[int, BeforeValidator(_any_ms)]
+TierName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")]
+QueueName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,119}$")]
+RoutingKey = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Backoff(_Model):
+    """Exponential retry delays (exact, through the cascade): initial * factor^(n-1), capped."""
+
+    initial: Duration = Field(default=2_000, gt=0)
+    factor: float = Field(default=2.0, ge=1.0)
+    max: Duration = Field(default=300_000, gt=0)
+
+    def delay_ms(self, retry_number: int) -> int:
+        return int(min(self.max, self.initial * self.factor ** (retry_number - 1)))
+
+
+class RetryPolicy(_Model):
+    """How a failed message is tried again.
+
+    `max_attempts` counts every delivery attempt, the first included. Retry n waits
+    `tiers[n-1]` (the last tier repeats), or the exponential `backoff` when set.
+    With neither, the topology's shortest tier is used.
+    """
+
+    max_attempts: int = Field(default=3, ge=1, le=1000)
+    tiers: tuple[TierName, ...] = ()
+    backoff: Backoff | None = None
+
+    @model_validator(mode="after")
+    def _one_schedule(self) -> RetryPolicy:
+        if self.tiers and self.backoff is not None:
+            raise ValueError("give either `tiers` or `backoff`, not both")
+        return self
+
+
+class QueueConfig(_Model):
+    """A business queue: where due messages land and handlers consume."""
+
+    bindings: tuple[RoutingKey, ...] = ()
+    tiers: tuple[TierName, ...] | None = None  # None: every tier may target this queue
+    retry: RetryPolicy = RetryPolicy()
+    # Quorum only: deliveries (crashes, lost connections) before the broker dead-letters
+    # the message to the parking lot. Always explicit: RabbitMQ 4.0 defaults to 20.
+    delivery_limit: int = Field(default=10, ge=1, le=10_000)
+    # Short name used in cascade routing keys, which are limited to 255 bytes.
+    alias: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,32}$")] | None = None
+
+
+class CascadeConfig(_Model):
+    """Plugin-free arbitrary delays: `levels` TTL levels of 2^L * `resolution` each."""
+
+    levels: int = Field(default=22, ge=1, le=32)
+    resolution: Duration = Field(default=1_000, ge=1)
+
+    @property
+    def max_delay_ms(self) -> int:
+        return (2**self.levels - 1) * self.resolution
+
+
+class PluginConfig(_Model):
+    """Arbitrary delays through the rabbitmq_delayed_message_exchange plugin."""
+
+    delayed_type: Literal["direct", "topic"] = "direct"
+
+
+class IdempotencyConfig(_Model):
+    """Where the consumer framework records claimed and done message keys."""
+
+    store: Literal["sqlite", "memory", "redis"] = "sqlite"
+    path: str = "rabbit-delay-idempotency.sqlite3"
+    url: str = "redis://127.0.0.1:6379/0"
+    lease: Duration = Field(default=300_000, gt=0)
+    retention: Duration = Field(default=7 * 86_400_000, gt=0)
+
+
+class Topology(_Model):
+    """One namespace of delay tiers and business queues."""
+
+    namespace: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,39}$")]
+    version: int = Field(default=1, ge=1, le=999)
+    queue_type: QueueType = QueueType.QUORUM
+    tiers: dict[TierName, TierDuration] = Field(min_length=1)
+    queues: dict[QueueName, QueueConfig] = Field(min_length=1)
+    cascade: CascadeConfig | None = None
+    plugin: PluginConfig | None = None
+    idempotency: IdempotencyConfig = IdempotencyConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Topology:
+        if self.cascade is not None and self.plugin is not None:
+            raise ValueError("choose one arbitrary-delay backend: `cascade` or `plugin`, not both")
+        durations: dict[int, str] = {}
+        for tier, ms in self.tiers.items():
+            if ms in durations:
+                raise ValueError(f"tiers {durations[ms]!r} and {tier!r} have the same duration")
+            durations[ms] = tier
+        known = sorted(self.tiers)
+        own_keys = {self.names.queue_key(q) for q in self.queues}
+        aliases: dict[str, str] = {}
+        for queue, cfg in self.queues.items():
+            for tier in (*(cfg.tiers or ()), *cfg.retry.tiers):
+                if tier not in self.tiers:
+                    raise ValueError(f"queues.{queue}: unknown tier {tier!r}; tiers are {known}")
+            if cfg.retry.backoff is not None and self.cascade is None and self.plugin is None:
+                raise ValueError(
+                    f"queues.{queue}.retry.backoff needs exact delays: add a [cascade] "
+                    "(or [plugin]) table, or retry through `tiers`"
+                )
+            for key in cfg.bindings:
+                if key in own_keys:
+                    raise ValueError(f"queues.{queue}.bindings: {key!r} is reserved for a queue")
+            if cfg.alias is not None:
+                if cfg.alias in aliases:
+                    raise ValueError(f"queues.{queue}.alias {cfg.alias!r} is also used by {aliases[cfg.alias]!r}")
+                aliases[cfg.alias] = queue
+        return self
+
+    @cached_property
+    def names(self) -> Names:
+        return Names(self.namespace, self.version)
+
+    def tier_for_ms(self, ms: int) -> str | None:
+        """The tier whose duration is exactly `ms`, if any."""
+        for tier, duration in self.tiers.items():
+            if duration == ms:
+                return tier
+        return None
+
+    def retry_tiers(self, queue: str) -> tuple[str, ...]:
+        cfg = self.queues[queue]
+        if cfg.retry.tiers:
+            return cfg.retry.tiers
+        return (min(self.tiers, key=self.tiers.__getitem__),)
+
+
+# -- loading ----------------------------------------------------------------------------
+
+def _describe_location(loc: tuple[int | str, ...]) -> str:
+    return ".".join(str(part) for part in loc) or "(top level)"
+
+
+def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The model that owns `loc`, so an unknown key can be answered with the allowed ones."""
+    tp: Any = Topology
+    for part in loc:
+        while True:
+            origin = typing.get_origin(tp)
+            if origin is typing.Annotated:
+                tp = typing.get_args(tp)[0]
+            elif origin in (typing.Union, types.UnionType):
+                tp = next(a for a in typing.get_args(tp) if a is not type(None))
+            else:
+                break
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            field = tp.model_fields.get(str(part))
+            if field is None:
+                return None
+            tp = field.annotation
+        elif typing.get_origin(tp) is dict:
+            tp = typing.get_args(tp)[1]
+        else:
+            return None
+    while typing.get_origin(tp) in (typing.Union, types.UnionType):
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
+
+
+def format_validation_error(error: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid topology"]
+    for err in error.errors():
+        loc = tuple(err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            owner = _model_at(loc[:-1])
+            allowed = ", ".join(owner.model_fields) if owner else "see docs/topology.md"
+            msg = f"unknown key {loc[-1]!r}; allowed keys here: {allowed}"
+        elif err["type"] == "string_pattern_mismatch":
+            msg = f"{err['input']!r} is not allowed: {msg}"
+        lines.append(f"  {_describe_location(loc)}: {msg}")
+    return "\n".join(lines)
+
+
+def topology_from_dict(data: dict[str, Any], source: str = "<topology>") -> Topology:
+    """Validate a mapping; raises TopologyError naming `source` and each bad field."""
+    try:
+        return Topology.model_validate(data)
+    except ValidationError as exc:
+        raise TopologyError(format_validation_error(exc, source)) from None
+
+
+def load_topology(path: str | Path) -> Topology:
+    """Read and validate a TOML topology file.
+
+    Raises TopologyError for a missing file, TOML syntax errors and invalid content.
+    """
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.toml"))
+        if len(files) != 1:
+            found = ", ".join(f.name for f in files) or "none"
+            raise TopologyError(f"{path}: expected one *.toml topology file, found {found}; name the file")
+        path = files[0]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise TopologyError(f"{path}: cannot read topology file ({exc.strerror})") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise TopologyError(f"{path}: not valid TOML: {exc}") from None
+    return topology_from_dict(data, str(path))
