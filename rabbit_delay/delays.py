@@ -99,7 +99,9 @@ class Router:
         """
         if tier is not None:
             if delay_ms is not None and self._tier_ms.get(tier) != delay_ms:
-                raise DelayError(f"give either a tier or a delay, not both (tier {tier!r}, delay {delay_ms} ms)")
+                raise DelayError(
+                    f"give either a tier or a delay, not both (tier {tier!r}, delay {delay_ms} ms)"
+                )
             return self._tier_route(key, tier)
         if delay_ms is None:
             raise DelayError("give a tier (e.g. '30m') or a delay (timedelta or seconds)")
@@ -112,6 +114,8 @@ class Router:
             return self._cascade_route(key, delay_ms)
         if self.topology.plugin is not None:
             return self._plugin_route(key, delay_ms)
+        if exact is not None:
+            return self._tier_route(key, exact)  # raises: the target does not accept that tier
         tiers = ", ".join(f"{t}={format_ms(ms)}" for t, ms in self._tier_ms.items())
         raise DelayError(
             f"no tier has a delay of {format_ms(delay_ms)} (tiers: {tiers}); use one of "
@@ -129,7 +133,9 @@ class Router:
         if not self._tier_allowed(key, tier):
             refused = [q for q in self._key_queues[key] if tier not in self._allowed[q]]
             allowed = ", ".join(sorted(self._allowed[refused[0]]))
-            raise DelayError(f"queue {refused[0]!r} does not accept tier {tier!r}; it accepts: {allowed}")
+            raise DelayError(
+                f"queue {refused[0]!r} does not accept tier {tier!r}; it accepts: {allowed}"
+            )
         return Route(exchange, key, tier, self._tier_ms[tier], key)
 
     # -- cascade ----------------------------------------------------------------------
@@ -139,11 +145,14 @@ class Router:
         assert cfg is not None
         queues = self._key_queues[key]
         if len(queues) != 1 or key != self._names.queue_key(queues[0]):
-            raise UnknownTargetError("cascade delays target one queue: use queue=..., not a binding key")
+            raise UnknownTargetError(
+                "cascade delays target one queue: use queue=..., not a binding key"
+            )
         if delay_ms > cfg.max_delay_ms:
             raise DelayError(
-                f"delay {format_ms(delay_ms)} exceeds the cascade maximum {format_ms(cfg.max_delay_ms)} "
-                f"({cfg.levels} levels at {format_ms(cfg.resolution)}); raise `cascade.levels`"
+                f"delay {format_ms(delay_ms)} exceeds the cascade maximum "
+                f"{format_ms(cfg.max_delay_ms)} ({cfg.levels} levels at "
+                f"{format_ms(cfg.resolution)}); raise `cascade.levels`"
             )
         # Round UP to the resolution: a message may be late by < 1 unit, never early.
         units = math.ceil(delay_ms / cfg.resolution)
@@ -154,7 +163,7 @@ class Router:
                 f"AMQP's {MAX_ROUTING_KEY_BYTES}; give the queue a short `alias` in the topology"
             )
         exchange = (
-            self._names.cascade_exchange(units.bit_length() - 1)
+            self._names.cascade_entry_exchange(units.bit_length() - 1)
             if units
             else self._names.cascade_deliver_exchange()
         )

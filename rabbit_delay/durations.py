@@ -15,7 +15,10 @@ MAX_TTL_MS = 2**32 - 1
 _UNITS_MS = {"ms": 1, "s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 _PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _WHOLE = re.compile(r"(?:\d+(?:\.\d+)?(?:ms|s|m|h|d))+")
-ALLOWED = "a number of seconds, a timedelta, or a string such as '500ms', '90s', '5m', '2h', '1d', '1h30m'"
+ALLOWED = (
+    "a number of seconds, a timedelta, or a string such as "
+    "'500ms', '90s', '5m', '2h', '1d', '1h30m'"
+)
 
 DurationLike = str | int | float | timedelta
 
@@ -35,6 +38,8 @@ def parse_ms(value: DurationLike) -> int:
         ms = value * 1000
     elif isinstance(value, str):
         text = value.strip().lower().replace(" ", "")
+        if text.startswith("-") and _WHOLE.fullmatch(text[1:]):
+            raise DurationError(f"{value!r} is negative; a delay must be zero or more")
         if not _WHOLE.fullmatch(text):
             raise DurationError(f"{value!r} is not a duration; use {ALLOWED}")
         ms = sum(float(n) * _UNITS_MS[u] for n, u in _PART.findall(text))

@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from rabbit_delay.errors import DecodeError, EncodeError
 from rabbit_delay import names as h
+from rabbit_delay.errors import DecodeError, EncodeError
 
 JSON = "application/json"
 BINARY = "application/octet-stream"
@@ -34,9 +34,12 @@ def encode_body(msg: Body) -> tuple[bytes, str]:
         try:
             return json.dumps(msg, separators=(",", ":"), allow_nan=False).encode(), JSON
         except (TypeError, ValueError) as exc:
-            raise EncodeError(f"message is not JSON-serialisable: {exc}; pass a pydantic model or bytes") from None
+            raise EncodeError(
+                f"message is not JSON-serialisable: {exc}; pass a pydantic model or bytes"
+            ) from None
     raise EncodeError(
-        f"cannot publish a {type(msg).__name__}: pass a pydantic model, a dict or list (sent as JSON), or bytes"
+        f"cannot publish a {type(msg).__name__}: pass a pydantic model, a dict or list "
+        "(sent as JSON), or bytes"
     )
 
 
@@ -45,8 +48,15 @@ def new_message_id() -> str:
 
 
 def check_message_id(message_id: str) -> str:
-    if not isinstance(message_id, str) or not message_id or len(message_id.encode()) > MAX_MESSAGE_ID:
-        raise EncodeError(f"message_id must be a non-empty string of at most {MAX_MESSAGE_ID} bytes, got {message_id!r}")
+    if (
+        not isinstance(message_id, str)
+        or not message_id
+        or len(message_id.encode()) > MAX_MESSAGE_ID
+    ):
+        raise EncodeError(
+            f"message_id must be a non-empty string of at most {MAX_MESSAGE_ID} bytes, "
+            f"got {message_id!r}"
+        )
     return message_id
 
 
@@ -65,7 +75,8 @@ class Outgoing:
 
 
 def strip_broker_headers(headers: Mapping[str, object]) -> dict[str, object]:
-    """Drop x-death and x-first/last-death-*: the broker owns them (4.x ignores re-published ones)."""
+    """Drop x-death and x-first/last-death-*: the broker owns them (4.x ignores
+    re-published ones)."""
     return {k: v for k, v in headers.items() if not k.startswith(h.BROKER_HEADER_PREFIXES)}
 
 
@@ -98,9 +109,13 @@ class Envelope:
         return cls(
             message_id=message_id,
             attempt=max(attempt, 1),
-            tier=tier.decode() if isinstance(tier, bytes) else (str(tier) if tier is not None else None),
+            tier=tier.decode()
+            if isinstance(tier, bytes)
+            else (str(tier) if tier is not None else None),
             due_at_ms=due_at_ms,
-            target=target.decode() if isinstance(target, bytes) else (str(target) if target is not None else None),
+            target=target.decode()
+            if isinstance(target, bytes)
+            else (str(target) if target is not None else None),
             headers=headers,
         )
 
@@ -109,4 +124,6 @@ class Envelope:
 
     @property
     def due_at(self) -> datetime | None:
-        return None if self.due_at_ms is None else datetime.fromtimestamp(self.due_at_ms / 1000, UTC)
+        return (
+            None if self.due_at_ms is None else datetime.fromtimestamp(self.due_at_ms / 1000, UTC)
+        )

@@ -69,7 +69,8 @@ class Names:
         return f"{self.prefix}.q.{queue}"
 
     def queue_key(self, queue: str) -> str:
-        """The routing key unique to one business queue (its full name, like the default exchange)."""
+        """The routing key unique to one business queue: its full name, as on the
+        default exchange."""
         return self.business_queue(queue)
 
     # Parking lots: one durable queue per business queue, behind one direct exchange.
@@ -85,6 +86,11 @@ class Names:
 
     def cascade_queue(self, level: int) -> str:
         return f"{self.prefix}.{CASCADE_KIND}.{level:02d}"
+
+    def cascade_entry_exchange(self, level: int) -> str:
+        """Fanout into level `level`'s queue, where publishers start: a topic match on a
+        key of `levels` words costs the broker about as much as the rest of a publish."""
+        return f"{self.prefix}.{CASCADE_KIND}.{level:02d}.in"
 
     def cascade_deliver_exchange(self) -> str:
         """Topic exchange after level 0: routes by the destination word of the key."""

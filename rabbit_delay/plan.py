@@ -19,7 +19,6 @@ from typing import TypedDict
 from rabbit_delay.errors import ArgumentConflict, DeclarationConflict
 from rabbit_delay.topology import QueueType, Topology
 
-
 # A broker without the delayed-message plugin closes the whole connection with
 # "503 COMMAND_INVALID - unknown exchange type 'x-delayed-message'".
 UNKNOWN_EXCHANGE_TYPE = "unknown exchange type"
@@ -154,7 +153,8 @@ def desired(topology: Topology) -> Desired:
         queues.append(QueueSpec(n.parking_queue(queue), _plain_queue_args(topology)))
         for key in (n.queue_key(queue), *cfg.bindings):
             bindings.append(BindingSpec(n.due_exchange(), name, key))
-        bindings.append(BindingSpec(n.parking_exchange(), n.parking_queue(queue), n.queue_key(queue)))
+        parking = BindingSpec(n.parking_exchange(), n.parking_queue(queue), n.queue_key(queue))
+        bindings.append(parking)
 
     if topology.cascade is not None:
         _add_cascade(topology, exchanges, queues, bindings)
@@ -182,8 +182,15 @@ def _add_cascade(
         exchange = n.cascade_exchange(level)
         exchanges.append(ExchangeSpec(exchange, "topic", {"alternate-exchange": catch_all}))
         next_hop = n.cascade_exchange(level - 1) if level else deliver
-        args = _dead_letter_args(topology, next_hop) | {"x-message-ttl": (2**level) * cfg.resolution}
+        ttl = (2**level) * cfg.resolution
+        args = _dead_letter_args(topology, next_hop) | {"x-message-ttl": ttl}
         queues.append(QueueSpec(n.cascade_queue(level), args))
+        # Publishers enter at their highest set bit, always a 1: a fanout straight into
+        # the queue, so the publish path pays no topic match (no AE: under `mandatory`,
+        # a missing queue is returned to the publisher rather than hidden).
+        entry = n.cascade_entry_exchange(level)
+        exchanges.append(ExchangeSpec(entry, "fanout"))
+        bindings.append(BindingSpec(entry, n.cascade_queue(level), ""))
         skip = "*." * (cfg.levels - 1 - level)  # the more significant bits
         bindings.append(BindingSpec(exchange, n.cascade_queue(level), f"{skip}1.#"))
         bindings.append(BindingSpec(exchange, next_hop, f"{skip}0.#", Kind.EXCHANGE))
@@ -193,16 +200,29 @@ def _add_cascade(
         bindings.append(BindingSpec(deliver, n.business_queue(queue), f"{every_bit}{dest}"))
 
 
-def _add_plugin(topology: Topology, exchanges: list[ExchangeSpec], bindings: list[BindingSpec]) -> None:
+def _add_plugin(
+    topology: Topology, exchanges: list[ExchangeSpec], bindings: list[BindingSpec]
+) -> None:
+    """The x-delayed-message exchange, bound to the due exchange by every business key.
+
+    No alternate-exchange on it: while the plugin holds a message its route returns no
+    queue, so the broker would ALSO hand every message to the alternate exchange at
+    publish time (rabbitmq-delayed-message-exchange issue #36). Due messages go on to the
+    due exchange instead, whose alternate exchange is the catch-all.
+    """
     cfg = topology.plugin
     assert cfg is not None
     n = topology.names
     name = n.plugin_exchange()
-    args = {"x-delayed-type": cfg.delayed_type, "alternate-exchange": n.unroutable_exchange()}
-    exchanges.append(ExchangeSpec(name, "x-delayed-message", args))
-    for queue, qcfg in topology.queues.items():
-        for key in (n.queue_key(queue), *qcfg.bindings):
-            bindings.append(BindingSpec(name, n.business_queue(queue), key))
+    # First of all objects: declaring it is the probe for the plugin. Without the plugin
+    # the broker closes the connection (503) on this declare, so it must come before the
+    # first object is created, or `declare` would leave a conflict-free but half-done
+    # topology behind. (A passive declare cannot probe: it answers 404 whatever the type.)
+    args = {"x-delayed-type": cfg.delayed_type}
+    exchanges.insert(0, ExchangeSpec(name, "x-delayed-message", args))
+    keys = (k for q, qcfg in topology.queues.items() for k in (n.queue_key(q), *qcfg.bindings))
+    for key in dict.fromkeys(keys):  # a binding key shared by two queues is bound once
+        bindings.append(BindingSpec(name, n.due_exchange(), key, Kind.EXCHANGE))
 
 
 # -- comparing with the broker ----------------------------------------------------------
@@ -295,10 +315,16 @@ def make_plan(want: Desired, observed: Observed) -> Plan:
     return Plan(tuple(items))
 
 
-def plan_from_presence(want: Desired, present: Mapping[str, bool]) -> Plan:
+def plan_from_presence(want: Desired, present: Mapping[tuple[Kind, str], bool]) -> Plan:
     """Plan from passive declares only: objects are present or missing, arguments
-    unread, bindings unknown (binding is idempotent, so declare simply ensures them)."""
-    items = [PlanItem(s.kind, s.name, Action.PRESENT if present[s.name] else Action.CREATE) for s in want.objects]
+    unread, bindings unknown (binding is idempotent, so declare simply ensures them).
+
+    `present` is keyed by (kind, name): a tier's exchange and its buffer queue share a name.
+    """
+    items = [
+        PlanItem(s.kind, s.name, Action.PRESENT if present[(s.kind, s.name)] else Action.CREATE)
+        for s in want.objects
+    ]
     items += [PlanItem(Kind.BINDING, b.name, Action.ENSURE) for b in want.bindings]
     return Plan(tuple(items))
 
@@ -325,7 +351,27 @@ class Bind:
     spec: BindingSpec
 
 
-Operation = Exists | Declare | Bind
+# Declaring a reserved `amq.` name is refused (403) only AFTER the broker has checked the
+# exchange type, which it refuses with 503 when unknown: so this declare tells whether a
+# type is supported, and can never create anything.
+TYPE_PROBE_EXCHANGE = "amq.rabbit-delay.type-probe"
+BUILTIN_EXCHANGE_TYPES = frozenset({"direct", "fanout", "topic", "headers"})
+
+
+@dataclass(frozen=True, slots=True)
+class SupportsType:
+    """Does the broker know this exchange type (a plugin's)? The driver answers True, or
+    raises MissingPluginError."""
+
+    exchange_type: str
+
+
+Operation = Exists | Declare | Bind | SupportsType
+
+
+def _probe_types(want: Desired) -> Generator[Operation, object, None]:
+    for exchange_type in sorted({e.type for e in want.exchanges} - BUILTIN_EXCHANGE_TYPES):
+        yield SupportsType(exchange_type)
 
 _INEQUIVALENT = re.compile(
     r"inequivalent arg '(?P<arg>[^']+)' for (?P<kind>queue|exchange) '(?P<name>[^']*)'.*?"
@@ -347,7 +393,23 @@ def conflict_from_reply(spec: ObjectSpec, reply: str) -> ArgumentConflict:
         wanted = spec.type
     elif arg == "durable":
         wanted = spec.durable
-    return ArgumentConflict(spec.kind.value, spec.name, arg, current, wanted)
+    on_broker = _as_wanted_type(current, wanted)
+    return ArgumentConflict(spec.kind.value, spec.name, arg, on_broker, wanted)
+
+
+def _as_wanted_type(text: str | None, wanted: object) -> object:
+    """The reply spells every value as text ('5000', 'true'): give it the wanted value's
+    type, so a conflict reads the same whether it came from a 406 or the management API."""
+    if text is None:
+        return None
+    if isinstance(wanted, bool):
+        return {"true": True, "false": False}.get(text, text)
+    if isinstance(wanted, int):
+        try:
+            return int(text)
+        except ValueError:
+            return text
+    return text
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,6 +428,19 @@ class DeclareReport:
 
 
 DeclareProgram = Generator[Operation, object, DeclareReport]
+PlanProgram = Generator[Operation, object, Plan]
+
+
+def plan_program(want: Desired, observed: Observed | None = None) -> PlanProgram:
+    """What `declare` would do, changing nothing: compared with `observed` (management
+    API) when given, else probed with passive declares (present or missing)."""
+    yield from _probe_types(want)
+    if observed is not None:
+        return make_plan(want, observed)
+    present: dict[tuple[Kind, str], bool] = {}
+    for spec in want.objects:
+        present[(spec.kind, spec.name)] = bool((yield Exists(spec)))
+    return plan_from_presence(want, present)
 
 
 def declare_program(want: Desired, observed: Observed | None = None) -> DeclareProgram:
@@ -377,19 +452,22 @@ def declare_program(want: Desired, observed: Observed | None = None) -> DeclareP
 
     Raises DeclarationConflict before creating anything if any object conflicts.
     """
-    present: dict[str, bool] = {}
+    # A missing plugin closes the connection: find out before anything is created.
+    yield from _probe_types(want)
+    # Keyed by (kind, name): a tier's exchange and its buffer queue share one name.
+    present: dict[tuple[Kind, str], bool] = {}
     conflicts: list[ArgumentConflict] = []
     items: dict[tuple[Kind, str], PlanItem] = {}
     if observed is not None:
         plan = make_plan(want, observed)
         for item in plan.items:
             items[(item.kind, item.name)] = item
-            present[item.name] = item.action is not Action.CREATE
+            present[(item.kind, item.name)] = item.action is not Action.CREATE
         conflicts.extend(plan.conflicts)
     else:
         for spec in want.objects:
             exists = yield Exists(spec)
-            present[spec.name] = bool(exists)
+            present[(spec.kind, spec.name)] = bool(exists)
             action = Action.CREATE
             if exists:
                 reply = yield Declare(spec)
@@ -404,17 +482,17 @@ def declare_program(want: Desired, observed: Observed | None = None) -> DeclareP
         raise DeclarationConflict(conflicts)
 
     for spec in want.objects:
-        if not present[spec.name]:
+        if not present[(spec.kind, spec.name)]:
             reply = yield Declare(spec)
             if reply is not None:  # created concurrently by someone else, differently
                 raise DeclarationConflict([conflict_from_reply(spec, str(reply))])
     for binding in want.bindings:
-        item = items.get((Kind.BINDING, binding.name))
-        if item is None or item.action is not Action.IN_PLACE:
+        known = items.get((Kind.BINDING, binding.name))
+        if known is None or known.action is not Action.IN_PLACE:
             yield Bind(binding)
-            if item is None:
-                item = PlanItem(Kind.BINDING, binding.name, Action.ENSURE)
-            items[(Kind.BINDING, binding.name)] = item
+            if known is None:
+                known = PlanItem(Kind.BINDING, binding.name, Action.ENSURE)
+            items[(Kind.BINDING, binding.name)] = known
     ordered = [items[(s.kind, s.name)] for s in want.objects]
     ordered += [items[(Kind.BINDING, b.name)] for b in want.bindings]
     return DeclareReport(tuple(ordered))

@@ -9,7 +9,14 @@ from rabbit_delay import names as h
 from rabbit_delay.delays import Route, Router
 from rabbit_delay.durations import parse_ms
 from rabbit_delay.errors import DelayError, DurationError
-from rabbit_delay.message import Body, Outgoing, check_message_id, encode_body, new_message_id, now_ms
+from rabbit_delay.message import (
+    Body,
+    Outgoing,
+    check_message_id,
+    encode_body,
+    new_message_id,
+    now_ms,
+)
 from rabbit_delay.topology import Topology
 
 DelayLike = timedelta | int | float
@@ -41,10 +48,15 @@ class PublisherCore:
             if delay is not None:
                 raise DelayError("give either delay= or at=, not both")
             if at.tzinfo is None or at.utcoffset() is None:
-                raise DelayError(f"at={at!r} has no timezone; pass an aware datetime, e.g. datetime.now(UTC) + ...")
+                raise DelayError(
+                    f"at={at!r} has no timezone; pass an aware datetime, "
+                    "e.g. datetime.now(UTC) + ..."
+                )
             delay_ms = int(at.timestamp() * 1000) - (now if now is not None else now_ms())
             if delay_ms <= 0:
-                raise DelayError(f"at={at.isoformat()} is in the past; a delayed message must be due later")
+                raise DelayError(
+                    f"at={at.isoformat()} is in the past; a delayed message must be due later"
+                )
         elif delay is not None:
             try:
                 delay_ms = parse_ms(delay)

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from rabbit_delay.durations import MAX_TTL_MS, parse_ms, parse_positive_ms
+from rabbit_delay.durations import MAX_TTL_MS, format_ms, parse_ms, parse_positive_ms
 from rabbit_delay.errors import TopologyError
 from rabbit_delay.names import Names
 
@@ -32,7 +32,9 @@ class QueueType(StrEnum):
 
 def _tier_ms(value: object) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
-        raise ValueError(f"{value!r}: write a duration with its unit, such as '{value}s' or '{value}m'")
+        raise ValueError(
+            f"{value!r}: write a duration with its unit, such as '{value}s' or '{value}m'"
+        )
     return parse_positive_ms(value, maximum=MAX_TTL_MS)  # type: ignore[arg-type]
 
 
@@ -105,7 +107,19 @@ class CascadeConfig(_Model):
 
     @property
     def max_delay_ms(self) -> int:
-        return (2**self.levels - 1) * self.resolution
+        return ((1 << self.levels) - 1) * self.resolution
+
+    @model_validator(mode="after")
+    def _ttl_fits(self) -> CascadeConfig:
+        # The top level's queue TTL is 2^(levels-1) units. RabbitMQ 3.10 accepts a larger
+        # x-message-ttl without complaint, but its TTL timers are 32-bit milliseconds.
+        top = (1 << (self.levels - 1)) * self.resolution
+        if top > MAX_TTL_MS:
+            raise ValueError(
+                f"the top level would hold messages {format_ms(top)}, over RabbitMQ's TTL maximum "
+                f"{format_ms(MAX_TTL_MS)}: lower `levels` or `resolution`"
+            )
+        return self
 
 
 class PluginConfig(_Model):
@@ -149,9 +163,12 @@ class Topology(_Model):
         own_keys = {self.names.queue_key(q) for q in self.queues}
         aliases: dict[str, str] = {}
         for queue, cfg in self.queues.items():
-            for tier in (*(cfg.tiers or ()), *cfg.retry.tiers):
-                if tier not in self.tiers:
-                    raise ValueError(f"queues.{queue}: unknown tier {tier!r}; tiers are {known}")
+            for field, tiers in (("tiers", cfg.tiers or ()), ("retry.tiers", cfg.retry.tiers)):
+                for tier in tiers:
+                    if tier not in self.tiers:
+                        raise ValueError(
+                            f"queues.{queue}.{field}: unknown tier {tier!r}; tiers are {known}"
+                        )
             if cfg.retry.backoff is not None and self.cascade is None and self.plugin is None:
                 raise ValueError(
                     f"queues.{queue}.retry.backoff needs exact delays: add a [cascade] "
@@ -162,7 +179,10 @@ class Topology(_Model):
                     raise ValueError(f"queues.{queue}.bindings: {key!r} is reserved for a queue")
             if cfg.alias is not None:
                 if cfg.alias in aliases:
-                    raise ValueError(f"queues.{queue}.alias {cfg.alias!r} is also used by {aliases[cfg.alias]!r}")
+                    raise ValueError(
+                        f"queues.{queue}.alias {cfg.alias!r} is also used by "
+                        f"{aliases[cfg.alias]!r}"
+                    )
                 aliases[cfg.alias] = queue
         return self
 
@@ -227,7 +247,8 @@ def format_validation_error(error: ValidationError, source: str) -> str:
             msg = f"unknown key {loc[-1]!r}; allowed keys here: {allowed}"
         elif err["type"] == "string_pattern_mismatch":
             msg = f"{err['input']!r} is not allowed: {msg}"
-        lines.append(f"  {_describe_location(loc)}: {msg}")
+        # A whole-topology check (loc ()) already names its fields in the message.
+        lines.append(f"  {_describe_location(loc)}: {msg}" if loc else f"  {msg}")
     return "\n".join(lines)
 
 
@@ -249,7 +270,9 @@ def load_topology(path: str | Path) -> Topology:
         files = sorted(path.glob("*.toml"))
         if len(files) != 1:
             found = ", ".join(f.name for f in files) or "none"
-            raise TopologyError(f"{path}: expected one *.toml topology file, found {found}; name the file")
+            raise TopologyError(
+                f"{path}: expected one *.toml topology file, found {found}; name the file"
+            )
         path = files[0]
     try:
         text = path.read_text(encoding="utf-8")

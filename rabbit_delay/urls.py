@@ -10,7 +10,9 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 URL_ENV = "RABBIT_DELAY_URL"
 MANAGEMENT_URL_ENV = "RABBIT_DELAY_MANAGEMENT_URL"
-_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:@/\s]*):(?P<pw>[^@/\s]*)@")
+# Like urlsplit: the user ends at the first ':', the password at the LAST '@' of the
+# authority, so an unencoded '@' in either is still covered.
+_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:/\s]*):(?P<pw>[^/\s]*)@")
 
 
 def broker_url(explicit: str | None = None) -> str:
@@ -30,7 +32,10 @@ class ManagementEndpoint:
     vhost: str
 
     def __repr__(self) -> str:  # never show the password, even in a traceback
-        return f"ManagementEndpoint(base={self.base!r}, username={self.username!r}, vhost={self.vhost!r})"
+        return (
+            f"ManagementEndpoint(base={self.base!r}, username={self.username!r}, "
+            f"vhost={self.vhost!r})"
+        )
 
     def url(self, path: str) -> str:
         return f"{self.base}/api/{path}"

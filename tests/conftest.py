@@ -28,7 +28,8 @@ TEST_URL_ENV = "RABBIT_DELAY_TEST_URL"
 def _reachable(url: str) -> bool:
     parts = urlsplit(url)
     try:
-        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 5672), timeout=1):
+        address = (parts.hostname or "127.0.0.1", parts.port or 5672)
+        with socket.create_connection(address, timeout=1):
             return True
     except OSError:
         return False

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from typing import TypeVar
+
 import aiormq
+from aio_pika.abc import AbstractChannel as AbstractAioChannel
 from aio_pika.abc import AbstractConnection
 from aiormq.abc import AbstractChannel
 
+from rabbit_delay.aio._connection import plain_channel
 from rabbit_delay.errors import BrokerError, MissingObjectError, MissingPluginError
 from rabbit_delay.plan import (
-    Declare,
-    DeclareProgram,
     PLUGIN_HINT,
+    TYPE_PROBE_EXCHANGE,
     UNKNOWN_EXCHANGE_TYPE,
+    Declare,
     DeclareReport,
     ExchangeSpec,
     Exists,
@@ -19,12 +24,14 @@ from rabbit_delay.plan import (
     Observed,
     Operation,
     Plan,
+    SupportsType,
     declare_program,
     desired,
-    make_plan,
-    plan_from_presence,
+    plan_program,
 )
 from rabbit_delay.topology import Topology
+
+T = TypeVar("T")
 
 
 class _Executor:
@@ -34,20 +41,28 @@ class _Executor:
     def __init__(self, connection: AbstractConnection) -> None:
         self.connection = connection
         self._ch: AbstractChannel | None = None
+        self._owner: AbstractAioChannel | None = None  # the aio-pika channel owning `_ch`
 
     async def channel(self) -> AbstractChannel:
         if self._ch is None or self._ch.is_closed:
-            raw = await self.connection.channel()
-            self._ch = await raw.get_underlay_channel()
+            await self.close()
+            self._owner = await plain_channel(self.connection, confirms=False)
+            self._ch = await self._owner.get_underlay_channel()
         return self._ch
 
     async def close(self) -> None:
-        if self._ch is not None and not self._ch.is_closed:
-            await self._ch.close()
+        owner, self._owner, self._ch = self._owner, None, None
+        if owner is not None and not owner.is_closed:
+            await owner.close()
 
     async def __call__(self, op: Operation) -> object:
         try:
             return await self._run(op)
+        except aiormq.exceptions.ChannelAccessRefused as exc:
+            self._ch = None
+            if isinstance(op, SupportsType):
+                return True  # the type passed the check; the reserved name was refused
+            raise BrokerError(f"{_text(exc)} (while {_describe(op)})") from None
         except aiormq.exceptions.ChannelNotFoundEntity as exc:
             self._ch = None
             if isinstance(op, Exists):
@@ -68,6 +83,11 @@ class _Executor:
 
     async def _run(self, op: Operation) -> object:
         ch = await self.channel()
+        if isinstance(op, SupportsType):
+            await ch.exchange_declare(
+                TYPE_PROBE_EXCHANGE, exchange_type=op.exchange_type, durable=False
+            )
+            return True
         if isinstance(op, Exists | Declare):
             passive = isinstance(op, Exists)
             spec = op.spec
@@ -81,7 +101,10 @@ class _Executor:
                 )
             else:
                 await ch.queue_declare(
-                    spec.name, passive=passive, durable=spec.durable, arguments=dict(spec.arguments)  # type: ignore[arg-type]
+                    spec.name,
+                    passive=passive,
+                    durable=spec.durable,
+                    arguments=dict(spec.arguments),  # type: ignore[arg-type]
                 )
             return True if passive else None
         b = op.spec
@@ -99,36 +122,36 @@ def _text(exc: BaseException) -> str:
 
 
 def _describe(op: Operation) -> str:
+    if isinstance(op, SupportsType):
+        return f"probing exchange type {op.exchange_type!r}"
     return f"{type(op).__name__.lower()} {op.spec.kind.value} {op.spec.name!r}"
 
 
-async def run_program(connection: AbstractConnection, program: DeclareProgram) -> DeclareReport:
-    """Drive a sans-I/O declaration program to its end."""
+async def run_program(
+    connection: AbstractConnection, program: Generator[Operation, object, T]
+) -> T:
+    """Drive a sans-I/O program (plan.declare_program, plan.plan_program) to its end."""
     execute = _Executor(connection)
     try:
         op = next(program)
         while True:
             op = program.send(await execute(op))
     except StopIteration as stop:
-        report: DeclareReport = stop.value
-        return report
+        result: T = stop.value
+        return result
     finally:
         await execute.close()
 
 
-async def declare(connection: AbstractConnection, topology: Topology, *, observed: Observed | None = None) -> DeclareReport:
+async def declare(
+    connection: AbstractConnection, topology: Topology, *, observed: Observed | None = None
+) -> DeclareReport:
     """Declare the topology (see rabbit_delay.sync.declare for what it raises)."""
     return await run_program(connection, declare_program(desired(topology), observed))
 
 
-async def plan(connection: AbstractConnection, topology: Topology, *, observed: Observed | None = None) -> Plan:
-    """What `declare` would do, changing nothing."""
-    want = desired(topology)
-    if observed is not None:
-        return make_plan(want, observed)
-    execute = _Executor(connection)
-    try:
-        present = {spec.name: bool(await execute(Exists(spec))) for spec in want.objects}
-    finally:
-        await execute.close()
-    return plan_from_presence(want, present)
+async def plan(
+    connection: AbstractConnection, topology: Topology, *, observed: Observed | None = None
+) -> Plan:
+    """What `declare` would do, changing nothing. Raises MissingPluginError."""
+    return await run_program(connection, plan_program(desired(topology), observed))

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Mapping
-from datetime import datetime
+from datetime import UTC, datetime
 from types import TracebackType
 from typing import Self
 
 import aiormq
+from aio_pika.abc import AbstractChannel as AbstractAioChannel
 from aio_pika.abc import AbstractConnection
 from aiormq.abc import AbstractChannel
 from pamqp.commands import Basic
 
+from rabbit_delay.aio._connection import plain_channel
 from rabbit_delay.errors import BrokerError, MissingObjectError, NackError, UnroutableError
 from rabbit_delay.message import Body, Outgoing, encode_body, now_ms
 from rabbit_delay.publishing import DelayLike, PublisherCore
@@ -35,29 +37,45 @@ class AsyncPublisher(PublisherCore):
     """
 
     def __init__(
-        self, topology: Topology, connection: AbstractConnection, *, window: int = DEFAULT_WINDOW, own: bool = False
+        self,
+        topology: Topology,
+        connection: AbstractConnection,
+        *,
+        window: int = DEFAULT_WINDOW,
+        own: bool = False,
     ) -> None:
         super().__init__(topology)
         self.connection = connection
         self.window = window
         self._own = own
         self._channel: AbstractChannel | None = None
+        self._owner: AbstractAioChannel | None = None  # the aio-pika channel owning `_channel`
         self._opening = asyncio.Lock()
 
     @classmethod
-    async def connect(cls, topology: Topology, url: str | None = None, *, window: int = DEFAULT_WINDOW) -> AsyncPublisher:
+    async def connect(
+        cls, topology: Topology, url: str | None = None, *, window: int = DEFAULT_WINDOW
+    ) -> AsyncPublisher:
         from rabbit_delay.aio._connection import connect
 
-        publisher = cls(topology, await connect(url, name="rabbit-delay publisher"), window=window, own=True)
+        publisher = cls(
+            topology, await connect(url, name="rabbit-delay publisher"), window=window, own=True
+        )
         await publisher.open()
         return publisher
 
     async def open(self) -> AbstractChannel:
         async with self._opening:
             if self._channel is None or self._channel.is_closed:
-                channel = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
-                self._channel = await channel.get_underlay_channel()
+                await self._close_channel()
+                self._owner = await plain_channel(self.connection, confirms=True)
+                self._channel = await self._owner.get_underlay_channel()
             return self._channel
+
+    async def _close_channel(self) -> None:
+        owner, self._owner, self._channel = self._owner, None, None
+        if owner is not None and not owner.is_closed:
+            await owner.close()
 
     async def _send(self, out: Outgoing) -> None:
         channel = self._channel
@@ -68,20 +86,30 @@ class AsyncPublisher(PublisherCore):
             delivery_mode=PERSISTENT,
             message_id=out.message_id,
             headers=out.headers,  # type: ignore[arg-type]
-            timestamp=datetime.fromtimestamp(out.timestamp),
+            # aware: pamqp takes a naive datetime for UTC, fromtimestamp() gives local time
+            timestamp=datetime.fromtimestamp(out.timestamp, UTC),
         )
         try:
             await channel.basic_publish(
-                out.body, exchange=out.exchange, routing_key=out.routing_key, properties=properties, mandatory=out.mandatory
+                out.body,
+                exchange=out.exchange,
+                routing_key=out.routing_key,
+                properties=properties,
+                mandatory=out.mandatory,
             )
         except aiormq.exceptions.PublishError as exc:
+            # exc.message is the returned message; its delivery frame is a Basic.Return
+            reply = getattr(getattr(exc.message, "delivery", None), "reply_text", "NO_ROUTE")
             raise UnroutableError(
-                f"message {out.message_id} returned by the broker ({exc.message.delivery.reply_text}): "
-                "no queue is bound for it; check the topology is declared (`rabbit-delay plan`)",
+                f"message {out.message_id} returned by the broker ({reply}): no queue is "
+                "bound for it; check the topology is declared (`rabbit-delay plan`)",
                 message_ids=[out.message_id],
             ) from None
         except aiormq.exceptions.DeliveryError:
-            raise NackError(f"message {out.message_id} nacked by the broker; publish it again", message_ids=[out.message_id]) from None
+            raise NackError(
+                f"message {out.message_id} nacked by the broker; publish it again",
+                message_ids=[out.message_id],
+            ) from None
         except aiormq.exceptions.ChannelNotFoundEntity as exc:
             raise MissingObjectError(f"{exc}; run `rabbit-delay declare` first") from None
         except aiormq.exceptions.ChannelClosed as exc:
@@ -121,9 +149,19 @@ class AsyncPublisher(PublisherCore):
         message_id: str | None = None,
         headers: Mapping[str, object] | None = None,
     ) -> str:
-        """Publish one message; return its message_id once confirmed (see Publisher.publish_delayed)."""
+        """Publish one message; return its message_id once confirmed.
+
+        See Publisher.publish_delayed for what it raises.
+        """
         out = self.prepare(
-            msg, tier, queue=queue, routing_key=routing_key, delay=delay, at=at, message_id=message_id, headers=headers
+            msg,
+            tier,
+            queue=queue,
+            routing_key=routing_key,
+            delay=delay,
+            at=at,
+            message_id=message_id,
+            headers=headers,
         )
         await self._send(out)
         return out.message_id
@@ -145,8 +183,7 @@ class AsyncPublisher(PublisherCore):
         return await self.publish_outgoing(prepared)
 
     async def close(self) -> None:
-        if self._channel is not None and not self._channel.is_closed:
-            await self._channel.close()
+        await self._close_channel()
         if self._own:
             await self.connection.close()
 
@@ -168,6 +205,10 @@ def _raise_combined(failures: list[BaseException]) -> None:
         raise other[0]
     if unroutable:
         ids = [i for f in unroutable for i in f.message_ids]
-        raise UnroutableError(f"{len(ids)} message(s) returned by the broker: {unroutable[0]}", message_ids=ids)
+        raise UnroutableError(
+            f"{len(ids)} message(s) returned by the broker: {unroutable[0]}", message_ids=ids
+        )
     ids = [i for f in nacked for i in f.message_ids]
-    raise NackError(f"{len(ids)} message(s) nacked by the broker; publish them again", message_ids=ids)
+    raise NackError(
+        f"{len(ids)} message(s) nacked by the broker; publish them again", message_ids=ids
+    )

@@ -19,7 +19,10 @@ from rabbit_delay.urls import URL_ENV, broker_url, redact
 
 app = typer.Typer(
     name="rabbit-delay",
-    help="Reliable delayed delivery on RabbitMQ: declare TTL tiers, publish delayed messages, run workers.",
+    help=(
+        "Reliable delayed delivery on RabbitMQ: declare TTL tiers, publish delayed messages, "
+        "run workers."
+    ),
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -44,9 +47,15 @@ TopologyArg = Annotated[
 ]
 UrlOpt = Annotated[
     str | None,
-    typer.Option("--url", help=f"AMQP URL (amqp:// or amqps://); default ${URL_ENV} or the local broker.", show_default=False),
+    typer.Option(
+        "--url",
+        help=f"AMQP URL (amqp:// or amqps://); default ${URL_ENV} or the local broker.",
+        show_default=False,
+    ),
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")]
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")
+]
 
 
 def resolve_topology(path: Path | None) -> Topology:
@@ -55,7 +64,9 @@ def resolve_topology(path: Path | None) -> Topology:
 
 
 def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
-    err.print(f"[bold red]error:[/] {redact(message)}", markup=True)
+    err.print("[bold red]error:[/] ", end="", markup=True)
+    # the message quotes user input: never read it as markup ("[bold]" would vanish)
+    err.print(redact(message), markup=False)
     raise typer.Exit(code)
 
 
@@ -86,4 +97,4 @@ def main() -> None:
 
 def load_commands() -> None:
     """Import the command modules (each registers its commands on `app`)."""
-    from rabbit_delay.cli import commands  # noqa: F401
+    from rabbit_delay.cli import commands, ops, worker  # noqa: F401

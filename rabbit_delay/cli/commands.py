@@ -28,7 +28,8 @@ from rabbit_delay.cli._app import (
 )
 from rabbit_delay.durations import parse_ms
 from rabbit_delay.errors import DeclarationConflict, DurationError
-from rabbit_delay.plan import Action, Plan, PlanItem
+from rabbit_delay.management import observe
+from rabbit_delay.plan import Action, Observed, Plan, PlanItem
 from rabbit_delay.topology import Topology
 from rabbit_delay.urls import management_endpoint, redact
 
@@ -41,7 +42,10 @@ MgmtOpt = Annotated[
     ),
 ]
 NoMgmtOpt = Annotated[
-    bool, typer.Option("--no-management", help="Do not use the management API; probe with passive declares.")
+    bool,
+    typer.Option(
+        "--no-management", help="Do not use the management API; probe with passive declares."
+    ),
 ]
 
 _STYLE = {
@@ -51,38 +55,54 @@ _STYLE = {
     Action.PRESENT: "green",
     Action.ENSURE: "cyan",
 }
-_DONE_WORDS = {Action.CREATE: "created", Action.IN_PLACE: "in place", Action.ENSURE: "ensured", Action.PRESENT: "in place"}
+_DONE_WORDS = {
+    Action.CREATE: "created",
+    Action.IN_PLACE: "in place",
+    Action.ENSURE: "ensured",
+    Action.PRESENT: "in place",
+}
 
 
-def _observe(topology: Topology, url: str, management_url: str | None, no_management: bool):  # type: ignore[no-untyped-def]
-    from rabbit_delay.sync.declarer import observe
-
+def _observe(
+    topology: Topology, url: str, management_url: str | None, no_management: bool
+) -> Observed | None:
     return None if no_management else observe(management_endpoint(url, management_url), topology)
 
 
-def _items_json(items: tuple[PlanItem, ...], words: dict[Action, str] | None = None) -> list[dict[str, Any]]:
+def _items_json(
+    items: tuple[PlanItem, ...], words: dict[Action, str] | None = None
+) -> list[dict[str, Any]]:
     return [
         {
             "kind": i.kind.value,
             "name": i.name,
             "action": (words or {}).get(i.action, i.action.value),
             "conflicts": [
-                {"argument": c.argument, "on_broker": c.on_broker, "wanted": c.wanted} for c in i.conflicts
+                {"argument": c.argument, "on_broker": c.on_broker, "wanted": c.wanted}
+                for c in i.conflicts
             ],
         }
         for i in items
     ]
 
 
-def _table(title: str, items: tuple[PlanItem, ...], words: dict[Action, str] | None = None) -> Table:
+def _table(
+    title: str, items: tuple[PlanItem, ...], words: dict[Action, str] | None = None
+) -> Table:
     table = Table(title=title, title_justify="left")
     table.add_column("kind")
     table.add_column("name", overflow="fold")
     table.add_column("status")
     for i in items:
         word = (words or {}).get(i.action, i.action.value)
-        detail = "; ".join(f"{c.argument}: broker {c.on_broker!r}, wanted {c.wanted!r}" for c in i.conflicts)
-        table.add_row(i.kind.value, escape(i.name), f"[{_STYLE[i.action]}]{word}[/]" + (f" ({escape(detail)})" if detail else ""))
+        detail = "; ".join(
+            f"{c.argument}: broker {c.on_broker!r}, wanted {c.wanted!r}" for c in i.conflicts
+        )
+        table.add_row(
+            i.kind.value,
+            escape(i.name),
+            f"[{_STYLE[i.action]}]{word}[/]" + (f" ({escape(detail)})" if detail else ""),
+        )
     return table
 
 
@@ -117,13 +137,25 @@ def plan(
             result = sync_plan(connection, topology, observed=observed)
         finally:
             connection.close()
-    source = "management API" if observed is not None else "passive declares (arguments not compared)"
+    source = (
+        "management API" if observed is not None else "passive declares (arguments not compared)"
+    )
     if as_json:
         print_json(
-            {"in_sync": result.in_sync, "source": source, "broker": redact(broker), "items": _items_json(result.items)}
+            {
+                "in_sync": result.in_sync,
+                "source": source,
+                "broker": redact(broker),
+                "items": _items_json(result.items),
+            }
         )
     else:
-        out.print(_table(escape(f"plan for {topology.names.prefix} on {redact(broker)} (read via {source})"), result.items))
+        out.print(
+            _table(
+                escape(f"plan for {topology.names.prefix} on {redact(broker)} (read via {source})"),
+                result.items,
+            )
+        )
         for conflict in result.conflicts:
             out.print(f"[bold red]conflict:[/] {escape(conflict.describe())}")
         state = "in sync" if result.in_sync else "changes pending"
@@ -156,7 +188,8 @@ def declare(
         try:
             before = sync_plan(connection, topology, observed=observed)
             if not as_json:
-                out.print(_table(f"plan for {topology.names.prefix} on {redact(broker)}", before.items))
+                title = escape(f"plan for {topology.names.prefix} on {redact(broker)}")
+                out.print(_table(title, before.items))
             try:
                 report = sync_declare(connection, topology, observed=observed)
             except DeclarationConflict as exc:
@@ -167,11 +200,17 @@ def declare(
             if connection.is_open:
                 connection.close()
     if as_json:
-        print_json({"ok": True, "changed": report.changed, "items": _items_json(report.items, _DONE_WORDS)})
+        print_json(
+            {"ok": True, "changed": report.changed, "items": _items_json(report.items, _DONE_WORDS)}
+        )
         return
     out.print(_table("result", report.items, _DONE_WORDS))
     created = len(report.created)
-    out.print(f"{created} object(s) created" if report.changed else "nothing to do: everything was already in place")
+    out.print(
+        f"{created} object(s) created"
+        if report.changed
+        else "nothing to do: everything was already in place"
+    )
 
 
 def _parse_delay(delay: str | None) -> timedelta | None:
@@ -185,12 +224,31 @@ def _parse_delay(delay: str | None) -> timedelta | None:
 
 @app.command()
 def publish(
-    message: Annotated[str, typer.Argument(help="JSON body, e.g. '{\"order_id\": 42}'; '-' reads stdin.")],
-    queue: Annotated[str | None, typer.Option("--queue", "-q", help="Target business queue (logical name).")] = None,
-    routing_key: Annotated[str | None, typer.Option("--routing-key", help="Target by a declared binding key.")] = None,
-    tier: Annotated[str | None, typer.Option("--tier", "-t", help="Delay tier name, e.g. 30m.")] = None,
-    delay: Annotated[str | None, typer.Option("--delay", "-d", help="Delay such as 90s; must match a tier unless the topology has a cascade or plugin.")] = None,
-    message_id: Annotated[str | None, typer.Option("--message-id", help="Idempotency key (default: generated).")] = None,
+    message: Annotated[
+        str, typer.Argument(help="JSON body, e.g. '{\"order_id\": 42}'; '-' reads stdin.")
+    ],
+    queue: Annotated[
+        str | None, typer.Option("--queue", "-q", help="Target business queue (logical name).")
+    ] = None,
+    routing_key: Annotated[
+        str | None, typer.Option("--routing-key", help="Target by a declared binding key.")
+    ] = None,
+    tier: Annotated[
+        str | None, typer.Option("--tier", "-t", help="Delay tier name, e.g. 30m.")
+    ] = None,
+    delay: Annotated[
+        str | None,
+        typer.Option(
+            "--delay",
+            "-d",
+            help=(
+                "Delay such as 90s; must match a tier unless the topology has a cascade or plugin."
+            ),
+        ),
+    ] = None,
+    message_id: Annotated[
+        str | None, typer.Option("--message-id", help="Idempotency key (default: generated).")
+    ] = None,
     file: Annotated[Path | None, typer.Option("--topology", "-f", help="Topology file.")] = None,
     url: UrlOpt = None,
     as_json: JsonOpt = False,
@@ -210,7 +268,12 @@ def publish(
         topology = resolve_topology(file)
         with Publisher(topology, url_for(url)) as publisher:
             out_msg = publisher.prepare(
-                body, tier, queue=queue, routing_key=routing_key, delay=_parse_delay(delay), message_id=message_id
+                body,
+                tier,
+                queue=queue,
+                routing_key=routing_key,
+                delay=_parse_delay(delay),
+                message_id=message_id,
             )
             publisher.publish_outgoing((out_msg,))
     result = {
@@ -223,7 +286,10 @@ def publish(
     if as_json:
         print_json(result)
     else:
-        out.print(f"published {result['message_id']} via {result['exchange']} ({result['tier']}), due at ms {result['due_at_ms']}")
+        out.print(
+            f"published {result['message_id']} via {result['exchange']} ({result['tier']}), "
+            f"due at ms {result['due_at_ms']}"
+        )
 
 
 __all__ = ["EXIT_ERROR", "declare", "plan", "publish"]

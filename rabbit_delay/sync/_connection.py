@@ -9,7 +9,6 @@ from rabbit_delay.errors import BrokerUnavailable
 from rabbit_delay.urls import broker_url, redact
 
 
-
 def connect(url: str | None = None, *, name: str = "rabbit-delay") -> pika.BlockingConnection:
     """Open a blocking connection. Raises BrokerUnavailable (password redacted)."""
     url = broker_url(url)

@@ -2,35 +2,35 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Generator
+from typing import TypeVar
 
 import pika
 import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
 from rabbit_delay.errors import BrokerError, MissingObjectError, MissingPluginError
-from rabbit_delay.management import ManagementUnavailable, read_observed
 from rabbit_delay.plan import (
-    Bind,
-    Declare,
-    DeclareProgram,
     PLUGIN_HINT,
+    TYPE_PROBE_EXCHANGE,
     UNKNOWN_EXCHANGE_TYPE,
+    Declare,
     DeclareReport,
-    Desired,
-    Exists,
     ExchangeSpec,
+    Exists,
     Kind,
     Observed,
     Operation,
     Plan,
+    SupportsType,
     declare_program,
     desired,
-    make_plan,
-    plan_from_presence,
+    plan_program,
 )
 from rabbit_delay.topology import Topology
-from rabbit_delay.urls import ManagementEndpoint
+
+T = TypeVar("T")
+
 
 class _Executor:
     """Runs one operation at a time; a channel closed by a 404/406 is replaced."""
@@ -58,25 +58,41 @@ class _Executor:
                 return False
             if isinstance(op, Declare) and exc.reply_code == 406:
                 return exc.reply_text
+            if isinstance(op, SupportsType) and exc.reply_code == 403:
+                return True  # the type passed the check; the reserved name was refused
             if exc.reply_code == 404:
                 raise MissingObjectError(f"{exc.reply_text} (while {_describe(op)})") from None
-            raise BrokerError(f"{exc.reply_code} {exc.reply_text} (while {_describe(op)})") from None
+            raise BrokerError(
+                f"{exc.reply_code} {exc.reply_text} (while {_describe(op)})"
+            ) from None
         except pika.exceptions.ConnectionClosedByBroker as exc:
             if UNKNOWN_EXCHANGE_TYPE in exc.reply_text:
                 raise MissingPluginError(f"{exc.reply_text}: {PLUGIN_HINT}") from None
-            raise BrokerError(f"connection closed by the broker: {exc.reply_code} {exc.reply_text}") from None
+            raise BrokerError(
+                f"connection closed by the broker: {exc.reply_code} {exc.reply_text}"
+            ) from None
 
     def _run(self, op: Operation) -> object:
         ch = self.channel
+        if isinstance(op, SupportsType):
+            ch.exchange_declare(TYPE_PROBE_EXCHANGE, op.exchange_type, durable=False)  # type: ignore[arg-type]
+            return True
         if isinstance(op, Exists | Declare):
             passive = isinstance(op, Exists)
             spec = op.spec
             if isinstance(spec, ExchangeSpec):
                 ch.exchange_declare(
-                    spec.name, spec.type, passive=passive, durable=spec.durable, arguments=dict(spec.arguments)
+                    spec.name,
+                    # any type name, e.g. x-delayed-message; the stubs only know the four built in
+                    spec.type,  # type: ignore[arg-type]
+                    passive=passive,
+                    durable=spec.durable,
+                    arguments=dict(spec.arguments),
                 )
             else:
-                ch.queue_declare(spec.name, passive=passive, durable=spec.durable, arguments=dict(spec.arguments))
+                ch.queue_declare(
+                    spec.name, passive=passive, durable=spec.durable, arguments=dict(spec.arguments)
+                )
             return True if passive else None
         b = op.spec
         if b.destination_type is Kind.QUEUE:
@@ -87,31 +103,23 @@ class _Executor:
 
 
 def _describe(op: Operation) -> str:
+    if isinstance(op, SupportsType):
+        return f"probing exchange type {op.exchange_type!r}"
     return f"{type(op).__name__.lower()} {op.spec.kind.value} {op.spec.name!r}"
 
 
-def run_program(connection: pika.BlockingConnection, program: DeclareProgram) -> DeclareReport:
-    """Drive a sans-I/O declaration program to its end."""
-    execute: Callable[[Operation], object] = _Executor(connection)
+def run_program(connection: pika.BlockingConnection, program: Generator[Operation, object, T]) -> T:
+    """Drive a sans-I/O program (plan.declare_program, plan.plan_program) to its end."""
+    execute = _Executor(connection)
     try:
         op = next(program)
         while True:
             op = program.send(execute(op))
     except StopIteration as stop:
-        report: DeclareReport = stop.value
-        return report
+        result: T = stop.value
+        return result
     finally:
-        execute.close()  # type: ignore[attr-defined]
-
-
-def observe(endpoint: ManagementEndpoint | None, topology: Topology) -> Observed | None:
-    """What the management API says exists, or None to fall back to passive declares."""
-    if endpoint is None:
-        return None
-    try:
-        return read_observed(endpoint, topology.names.prefix + ".")
-    except ManagementUnavailable:
-        return None
+        execute.close()
 
 
 def declare(
@@ -125,18 +133,11 @@ def declare(
     return run_program(connection, declare_program(desired(topology), observed))
 
 
-def plan(connection: pika.BlockingConnection, topology: Topology, *, observed: Observed | None = None) -> Plan:
-    """What `declare` would do, changing nothing.
+def plan(
+    connection: pika.BlockingConnection, topology: Topology, *, observed: Observed | None = None
+) -> Plan:
+    """What `declare` would do, changing nothing (see plan.plan_program).
 
-    With `observed` (management API) arguments are compared; without it, each object
-    is probed with a passive declare: present or missing, arguments unread.
+    Raises MissingPluginError when the topology needs a plugin the broker lacks.
     """
-    want: Desired = desired(topology)
-    if observed is not None:
-        return make_plan(want, observed)
-    execute = _Executor(connection)
-    try:
-        present = {spec.name: bool(execute(Exists(spec))) for spec in want.objects}
-    finally:
-        execute.close()
-    return plan_from_presence(want, present)
+    return run_program(connection, plan_program(desired(topology), observed))

@@ -43,16 +43,26 @@ class Publisher(PublisherCore):
     ) -> None:
         super().__init__(topology)
         self._own_connection = connection is None
-        self.connection = connection if connection is not None else connect(url, name="rabbit-delay publisher")
+        self.connection = (
+            connection if connection is not None else connect(url, name="rabbit-delay publisher")
+        )
         self.window = window
+        self._open_channel()
+
+    def _open_channel(self) -> None:
+        """A fresh confirm-mode channel; also after the broker closed the last one (a 404
+        on a missing exchange), whose unconfirmed publishes were already reported."""
         self._channel = self.connection.channel()
-        self._impl: Any = self._channel._impl  # see module docstring
+        # the non-blocking channel underneath: see module docstring
+        self._impl: Any = self._channel._impl  # type: ignore[attr-defined]
         self._pending: dict[int, str] = {}  # delivery tag -> message_id
         self._next_tag = 1
         self._returned: dict[str, str] = {}  # message_id -> reply text
         self._nacked: list[str] = []
         selected: list[bool] = []
-        self._impl.confirm_delivery(ack_nack_callback=self._on_confirm, callback=lambda _f: selected.append(True))
+        self._impl.confirm_delivery(
+            ack_nack_callback=self._on_confirm, callback=lambda _f: selected.append(True)
+        )
         self._impl.add_on_return_callback(self._on_return)
         self._wait(lambda: bool(selected))
 
@@ -68,17 +78,28 @@ class Publisher(PublisherCore):
             if nack and message_id is not None:
                 self._nacked.append(message_id)
 
-    def _on_return(self, _ch: object, method: pika.spec.Basic.Return, props: pika.spec.BasicProperties, _b: bytes) -> None:
+    def _on_return(
+        self,
+        _ch: object,
+        method: pika.spec.Basic.Return,
+        props: pika.spec.BasicProperties,
+        _b: bytes,
+    ) -> None:
         # basic.return precedes the ack of the same message: remember it, fail on ack.
         self._returned[props.message_id or "?"] = f"{method.reply_code} {method.reply_text}"
 
     def _wait(self, done: Any) -> None:
         try:
-            self._channel._flush_output(done)
+            # BlockingChannel's own wait loop: runs pika's I/O until `done()` or a close
+            self._channel._flush_output(done)  # type: ignore[attr-defined]
         except pika.exceptions.ChannelClosedByBroker as exc:
             if exc.reply_code == 404:
-                raise MissingObjectError(f"{exc.reply_text}; run `rabbit-delay declare` first") from None
-            raise BrokerError(f"channel closed by the broker: {exc.reply_code} {exc.reply_text}") from None
+                raise MissingObjectError(
+                    f"{exc.reply_text}; run `rabbit-delay declare` first"
+                ) from None
+            raise BrokerError(
+                f"channel closed by the broker: {exc.reply_code} {exc.reply_text}"
+            ) from None
 
     # -- publishing ----------------------------------------------------------------------
 
@@ -101,6 +122,8 @@ class Publisher(PublisherCore):
         NackError naming the ids that failed (the others were confirmed), and
         MissingObjectError if an exchange does not exist.
         """
+        if self._channel.is_closed:
+            self._open_channel()
         ids: list[str] = []
         window = self.window
         for out in messages:
@@ -117,13 +140,17 @@ class Publisher(PublisherCore):
             returned, self._returned = self._returned, {}
             reasons = sorted(set(returned.values()))
             raise UnroutableError(
-                f"{len(returned)} message(s) returned by the broker ({', '.join(reasons)}): no queue is "
-                "bound for them; check the topology is declared (`rabbit-delay plan`)",
+                f"{len(returned)} message(s) returned by the broker ({', '.join(reasons)}): "
+                "no queue is bound for them; check the topology is declared "
+                "(`rabbit-delay plan`)",
                 message_ids=list(returned),
             )
         if self._nacked:
             nacked, self._nacked = self._nacked, []
-            raise NackError(f"{len(nacked)} message(s) nacked by the broker; publish them again", message_ids=nacked)
+            raise NackError(
+                f"{len(nacked)} message(s) nacked by the broker; publish them again",
+                message_ids=nacked,
+            )
 
     def publish_delayed(
         self,
@@ -144,7 +171,14 @@ class Publisher(PublisherCore):
         UnroutableError / NackError if the broker did not accept it.
         """
         out = self.prepare(
-            msg, tier, queue=queue, routing_key=routing_key, delay=delay, at=at, message_id=message_id, headers=headers
+            msg,
+            tier,
+            queue=queue,
+            routing_key=routing_key,
+            delay=delay,
+            at=at,
+            message_id=message_id,
+            headers=headers,
         )
         return self.publish_outgoing((out,))[0]
 
@@ -181,5 +215,7 @@ class Publisher(PublisherCore):
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *_exc: tuple[type[BaseException] | None, BaseException | None, TracebackType | None]) -> None:
+    def __exit__(
+        self, *_exc: tuple[type[BaseException] | None, BaseException | None, TracebackType | None]
+    ) -> None:
         self.close()

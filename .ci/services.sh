@@ -1,0 +1,103 @@
+# shellcheck shell=bash
+# Make sure the local services the tests and the demo need are up. Sourced by .ci/run
+# and .ci/demo; every wait has a deadline. Starts only what is down: never restarts or
+# stops a running broker (other processes may be using it).
+#
+#   ensure_rabbitmq     RabbitMQ answering on 127.0.0.1:5672 (starts rabbitmq-server -detached)
+#   ensure_management   the management HTTP API answering on 127.0.0.1:15672
+#   ensure_redis        Redis answering PING on 127.0.0.1:6379
+
+RD_AMQP_PORT=${RD_AMQP_PORT:-5672}
+RD_MANAGEMENT_URL=${RD_MANAGEMENT_URL:-http://127.0.0.1:15672}
+RD_REDIS_PORT=${RD_REDIS_PORT:-6379}
+RD_START_TIMEOUT=${RD_START_TIMEOUT:-120}
+
+_say() { printf '[services] %s\n' "$*"; }
+_die() { printf '[services] ERROR: %s\n' "$*" >&2; return 1; }
+
+port_open() {  # port_open HOST PORT
+    timeout 3 bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null
+}
+
+wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
+    local seconds=$1 what=$2 deadline
+    shift 2
+    deadline=$((SECONDS + seconds))
+    until "$@"; do
+        if ((SECONDS >= deadline)); then
+            _die "$what not ready after ${seconds}s"
+            return 1
+        fi
+        sleep 1
+    done
+}
+
+ensure_rabbitmq() {
+    if port_open 127.0.0.1 "$RD_AMQP_PORT"; then
+        _say "RabbitMQ answers on 127.0.0.1:$RD_AMQP_PORT"
+        return 0
+    fi
+    if ! command -v rabbitmq-server >/dev/null 2>&1; then
+        _die "no RabbitMQ on 127.0.0.1:$RD_AMQP_PORT and rabbitmq-server is not installed.
+    Install it (apt-get install rabbitmq-server), or with Docker: docker compose up -d rabbitmq"
+        return 1
+    fi
+    # The node may be up but still booting; only start it when rabbitmqctl cannot reach it.
+    if ! timeout 30 rabbitmqctl -q status >/dev/null 2>&1; then
+        _say "starting RabbitMQ (rabbitmq-server -detached)"
+        rabbitmq-server -detached
+    fi
+    _say "waiting for RabbitMQ to finish booting (up to ${RD_START_TIMEOUT}s)"
+    timeout $((RD_START_TIMEOUT + 10)) rabbitmqctl -q await_startup --timeout "$RD_START_TIMEOUT" \
+        || _die "RabbitMQ did not start; see its logs under /var/log/rabbitmq" || return 1
+    wait_for 30 "RabbitMQ port $RD_AMQP_PORT" port_open 127.0.0.1 "$RD_AMQP_PORT" || return 1
+    _say "RabbitMQ is up"
+}
+
+management_answers() {
+    if command -v curl >/dev/null 2>&1; then
+        curl -fsS -m 3 -u guest:guest -o /dev/null "$RD_MANAGEMENT_URL/api/overview" 2>/dev/null
+    else
+        python3 - "$RD_MANAGEMENT_URL/api/overview" <<'PY' 2>/dev/null
+import base64, sys, urllib.request
+req = urllib.request.Request(sys.argv[1], headers={"Authorization": "Basic " + base64.b64encode(b"guest:guest").decode()})
+urllib.request.urlopen(req, timeout=3).read()
+PY
+    fi
+}
+
+ensure_management() {
+    if management_answers; then
+        _say "management API answers on $RD_MANAGEMENT_URL"
+        return 0
+    fi
+    _say "enabling rabbitmq_management"
+    timeout 120 rabbitmq-plugins enable rabbitmq_management \
+        || _die "rabbitmq-plugins enable rabbitmq_management failed" || return 1
+    wait_for 90 "management API at $RD_MANAGEMENT_URL" management_answers || return 1
+    _say "management API is up"
+}
+
+redis_answers() {
+    if command -v redis-cli >/dev/null 2>&1; then
+        [ "$(timeout 3 redis-cli -h 127.0.0.1 -p "$RD_REDIS_PORT" ping 2>/dev/null)" = "PONG" ]
+    else
+        timeout 3 bash -c "exec 3<>/dev/tcp/127.0.0.1/$RD_REDIS_PORT && printf 'PING\r\n' >&3 && head -c5 <&3 | grep -q PONG" 2>/dev/null
+    fi
+}
+
+ensure_redis() {
+    if redis_answers; then
+        _say "Redis answers on 127.0.0.1:$RD_REDIS_PORT"
+        return 0
+    fi
+    command -v redis-server >/dev/null 2>&1 \
+        || _die "no Redis on 127.0.0.1:$RD_REDIS_PORT and redis-server is not installed (apt-get install redis-server)" \
+        || return 1
+    _say "starting Redis"
+    mkdir -p /var/lib/redis /var/log/redis
+    redis-server --daemonize yes --bind 127.0.0.1 -::1 --port "$RD_REDIS_PORT" --save "" --appendonly no \
+        --dir /var/lib/redis --logfile /var/log/redis/ci.log
+    wait_for 30 "Redis on port $RD_REDIS_PORT" redis_answers || return 1
+    _say "Redis is up"
+}

@@ -1,0 +1,339 @@
+#!/usr/bin/env python3
+"""Consuming throughput: the workers against the raw clients, in one run.
+
+Contenders (each drains the same pre-filled business queue, manual acks, the same
+prefetch; every message is a JSON body with the headers a delayed message carries):
+
+    raw-aio        aio-pika Queue.consume, callback awaits message.ack()
+    async-memory   AsyncWorker: pydantic model, async handler, in-memory idempotency guard
+    async-sqlite   AsyncWorker: the same with the SQLite guard (WAL file in a temp dir)
+    raw-pika       pika BlockingChannel.basic_consume, basic_ack in the callback
+    sync-memory    Worker (pika, handler threads): pydantic model, in-memory guard
+    sync-sqlite    Worker with the SQLite guard
+
+The clock runs from the first delivery to the last handled one (connection set-up is
+not measured). The contenders take turns over several rounds and the median rate is
+reported, because the machines this runs on are small and noisy. Targets: async-memory
+>= 0.85 x raw-aio, async-sqlite >= 0.70 x raw-aio. The topology (a unique namespace) is
+deleted at the end.
+
+    .venv/bin/python benchmarks/bench_consume.py            # full run, a few minutes
+    .venv/bin/python benchmarks/bench_consume.py --quick    # smoke: small counts, < 1 min
+    .venv/bin/python benchmarks/bench_consume.py --json     # machine-readable results
+
+Exit code 0; 1 with `--strict` when a target was missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import pika
+import pika.exceptions
+from pydantic import BaseModel
+
+from rabbit_delay.aio.worker import AsyncWorker
+from rabbit_delay.consumer import App, HandlerContext
+from rabbit_delay.delays import Route
+from rabbit_delay.idempotency import MemoryStore, SQLiteStore
+from rabbit_delay.message import encode_body, now_ms
+from rabbit_delay.plan import desired
+from rabbit_delay.publishing import PublisherCore
+from rabbit_delay.sync import Publisher
+from rabbit_delay.sync import connect as sync_connect
+from rabbit_delay.sync import declare as sync_declare
+from rabbit_delay.sync.worker import Worker
+from rabbit_delay.topology import Topology, topology_from_dict
+from rabbit_delay.urls import broker_url, redact
+
+QUEUE = "sink"
+PREFETCH = 128
+ASYNC_CONCURRENCY = 64
+SYNC_CONCURRENCY = 4
+TIMEOUT_S = 120.0
+
+
+class OrderTimeout(BaseModel):
+    order_id: int
+    reason: str
+    customer: str
+
+
+BODY = OrderTimeout(order_id=1234567, reason="payment-timeout", customer="c-000042")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    rounds: int
+    messages: int
+
+
+FULL = Sizes(rounds=5, messages=20_000)
+QUICK = Sizes(rounds=2, messages=3_000)
+TARGETS = {"async-memory": ("raw-aio", 0.85), "async-sqlite": ("raw-aio", 0.70)}
+
+
+def make_topology(queue_type: str) -> Topology:
+    return topology_from_dict(
+        {
+            "namespace": "bench" + uuid.uuid4().hex[:8],
+            "queue_type": queue_type,
+            "tiers": {"1h": "1h"},
+            "queues": {QUEUE: {}},
+        }
+    )
+
+
+def delete_topology(url: str, topology: Topology) -> None:
+    want = desired(topology)
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        for spec in (*want.queues, *want.exchanges):
+            ch = conn.channel()
+            try:
+                if spec in want.queues:
+                    ch.queue_delete(spec.name)
+                else:
+                    ch.exchange_delete(spec.name)
+                ch.close()
+            except pika.exceptions.AMQPError:
+                pass
+    finally:
+        if conn.is_open:
+            conn.close()
+
+
+def fill(url: str, topology: Topology, n: int) -> None:
+    """Put n messages in the business queue, as the due exchange would deliver them."""
+    key = topology.names.queue_key(QUEUE)
+    route = Route(topology.names.due_exchange(), key, "1h", 0, key)
+    body, content_type = encode_body(BODY)
+    now = now_ms()
+    with Publisher(topology, url) as publisher:
+        publisher.publish_outgoing(
+            PublisherCore.outgoing(route, body, content_type, now) for _ in range(n)
+        )
+
+
+class Finish:
+    """Counts handled messages; notes the first and the n-th."""
+
+    def __init__(self, n: int, on_done: Callable[[], None]) -> None:
+        self.n = n
+        self.count = 0
+        self.first = 0.0
+        self.last = 0.0
+        self.on_done = on_done
+        self._lock = threading.Lock()
+
+    def hit(self) -> None:
+        with self._lock:
+            self.count += 1
+            if self.count == 1:
+                self.first = time.perf_counter()
+            if self.count == self.n:
+                self.last = time.perf_counter()
+                self.on_done()
+
+    def rate(self) -> float:
+        if self.count < self.n:
+            raise RuntimeError(f"only {self.count} of {self.n} messages were handled")
+        return (self.n - 1) / (self.last - self.first)
+
+
+# -- async contenders -------------------------------------------------------------------
+
+async def raw_aio(url: str, topology: Topology, n: int) -> float:
+    done = asyncio.Event()
+    finish = Finish(n, done.set)
+    connection = await aio_pika.connect(url)
+    try:
+        channel = await connection.channel()
+        await channel.set_qos(prefetch_count=PREFETCH)
+        queue = await channel.get_queue(topology.names.business_queue(QUEUE), ensure=False)
+
+        async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            await message.ack()
+            finish.hit()
+
+        tag = await queue.consume(on_message)
+        await asyncio.wait_for(done.wait(), TIMEOUT_S)
+        await queue.cancel(tag)
+    finally:
+        await connection.close()
+    return finish.rate()
+
+
+Store = MemoryStore | SQLiteStore
+
+
+def app_for(topology: Topology, store: Store, finish: Finish, *, asynchronous: bool) -> App:
+    app = App(topology, store=store)
+    if asynchronous:
+
+        async def handle(msg: OrderTimeout, ctx: HandlerContext) -> None:
+            finish.hit()
+
+        app.add_consumer(QUEUE, handle, model=OrderTimeout)
+    else:
+
+        def handle_sync(msg: OrderTimeout, ctx: HandlerContext) -> None:
+            finish.hit()
+
+        app.add_consumer(QUEUE, handle_sync, model=OrderTimeout)
+    return app
+
+
+async def async_worker(url: str, topology: Topology, n: int, store: Store) -> float:
+    done = asyncio.Event()
+    finish = Finish(n, done.set)
+    app = app_for(topology, store, finish, asynchronous=True)
+    worker = AsyncWorker(
+        app, url, prefetch=PREFETCH, concurrency=ASYNC_CONCURRENCY, install_signal_handlers=False
+    )
+    task = asyncio.create_task(worker.run())
+    waiter = asyncio.create_task(done.wait())
+    await asyncio.wait({task, waiter}, timeout=TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+    worker.stop()
+    await task
+    waiter.cancel()
+    store.close()
+    return finish.rate()
+
+
+# -- sync contenders --------------------------------------------------------------------
+
+def raw_pika(url: str, topology: Topology, n: int) -> float:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    ch.basic_qos(prefetch_count=PREFETCH)
+    finish = Finish(n, ch.stop_consuming)
+
+    def on_message(channel: Any, method: Any, _props: Any, _body: bytes) -> None:
+        channel.basic_ack(method.delivery_tag)
+        finish.hit()
+
+    ch.basic_consume(topology.names.business_queue(QUEUE), on_message)
+    ch.start_consuming()
+    conn.close()
+    return finish.rate()
+
+
+def sync_worker(url: str, topology: Topology, n: int, store: Store) -> float:
+    worker: Worker | None = None
+
+    def stop() -> None:
+        assert worker is not None
+        worker.stop()
+
+    finish = Finish(n, stop)
+    app = app_for(topology, store, finish, asynchronous=False)
+    worker = Worker(
+        app, url, prefetch=PREFETCH, concurrency=SYNC_CONCURRENCY, install_signal_handlers=False
+    )
+    timer = threading.Timer(TIMEOUT_S, worker.stop)
+    timer.start()
+    worker.run()
+    timer.cancel()
+    store.close()
+    return finish.rate()
+
+
+# -- driver ----------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small counts (smoke test, < 1 min)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument("--queue-type", choices=["quorum", "classic"], default="quorum")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--messages", type=int, default=None)
+    parser.add_argument("--url", default=None, help="AMQP URL ($RABBIT_DELAY_URL, else local)")
+    args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    rounds = args.rounds or sizes.rounds
+    n = args.messages or sizes.messages
+    url = broker_url(args.url)
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("pika").setLevel(logging.ERROR)  # passive-declare 404s of `declare`
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    topology = make_topology(args.queue_type)
+    conn = sync_connect(url, name="bench-consume declare")
+    sync_declare(conn, topology)
+    conn.close()
+    tmp = tempfile.TemporaryDirectory(prefix="bench-consume-")
+
+    def sqlite() -> SQLiteStore:
+        return SQLiteStore(Path(tmp.name) / f"{uuid.uuid4().hex}.sqlite3")
+
+    contenders: dict[str, Callable[[], float]] = {
+        "raw-aio": lambda: asyncio.run(raw_aio(url, topology, n)),
+        "async-memory": lambda: asyncio.run(async_worker(url, topology, n, MemoryStore())),
+        "async-sqlite": lambda: asyncio.run(async_worker(url, topology, n, sqlite())),
+        "raw-pika": lambda: raw_pika(url, topology, n),
+        "sync-memory": lambda: sync_worker(url, topology, n, MemoryStore()),
+        "sync-sqlite": lambda: sync_worker(url, topology, n, sqlite()),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    log(f"{n} messages x {rounds} rounds per contender, {args.queue_type} queue, "
+        f"prefetch {PREFETCH}, broker {redact(url)}")
+    try:
+        names = list(contenders)
+        for r in range(rounds):
+            order = names[r % len(names):] + names[: r % len(names)]
+            for name in order:
+                fill(url, topology, n)
+                rate = contenders[name]()
+                samples[name].append(rate)
+                log(f"  round {r + 1}: {name:<13} {rate:>9.0f} msg/s")
+    finally:
+        delete_topology(url, topology)
+        tmp.cleanup()
+
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    baseline = {"raw-aio": "raw-aio", "async-memory": "raw-aio", "async-sqlite": "raw-aio",
+                "raw-pika": "raw-pika", "sync-memory": "raw-pika", "sync-sqlite": "raw-pika"}
+    rows = []
+    missed = []
+    for name, median in medians.items():
+        ratio = median / medians[baseline[name]]
+        target = TARGETS.get(name)
+        ok = None if target is None else ratio >= target[1]
+        if ok is False:
+            missed.append(name)
+        rows.append({"contender": name, "msg_per_s": round(median), "ratio": round(ratio, 3),
+                     "vs": baseline[name], "target": target[1] if target else None, "met": ok,
+                     "samples": [round(s) for s in samples[name]]})
+    if args.json:
+        print(json.dumps({"messages": n, "rounds": rounds, "queue_type": args.queue_type,
+                          "prefetch": PREFETCH, "results": rows}, indent=2))
+    else:
+        print(f"\n{'contender':<14}{'msg/s':>10}{'ratio':>8}  {'vs':<9}{'target':>8}")
+        for row in rows:
+            target = f">= {row['target']:.2f}" if row["target"] else ""
+            mark = {True: " ok", False: " MISSED", None: ""}[row["met"]]
+            print(f"{row['contender']:<14}{row['msg_per_s']:>10}{row['ratio']:>8.2f}  "
+                  f"{row['vs']:<9}{target:>8}{mark}")
+    return 1 if args.strict and missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,441 @@
+"""status and replay: what is waiting where, and moving parked messages back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from rabbit_delay.cli._app import (
+    EXIT_ERROR,
+    EXIT_OK,
+    JsonOpt,
+    TopologyArg,
+    UrlOpt,
+    app,
+    err,
+    errors_to_exit,
+    fail,
+    out,
+    print_json,
+    resolve_topology,
+    url_for,
+)
+from rabbit_delay.cli.commands import MgmtOpt, NoMgmtOpt
+from rabbit_delay.durations import format_ms
+from rabbit_delay.errors import BrokerUnavailable
+from rabbit_delay.management import ManagementUnavailable, QueueStats, read_queue_stats
+from rabbit_delay.plan import desired
+from rabbit_delay.topology import Topology
+from rabbit_delay.urls import ManagementEndpoint, management_endpoint, redact
+
+if TYPE_CHECKING:
+    from rabbit_delay.sync.replay import PassiveCounts, Preview, ReplayReport
+
+# A parking lot or the catch-all holds messages, or a delay buffer has consumers.
+EXIT_ATTENTION = 3
+
+
+class Role(StrEnum):
+    BUFFER = "tier buffer"
+    CASCADE = "cascade level"
+    BUSINESS = "business"
+    PARKING = "parking lot"
+    CATCH_ALL = "catch-all"
+
+
+_ROLE_OF_KIND = {
+    "delay": Role.BUFFER,
+    "cascade": Role.CASCADE,
+    "q": Role.BUSINESS,
+    "parking": Role.PARKING,
+    "unroutable": Role.CATCH_ALL,
+}
+_ORDER = list(Role)
+# Queues whose messages wait for a human.
+_HUMAN = (Role.PARKING, Role.CATCH_ALL)
+# Queues that must never have consumers: they hold messages until their TTL expires.
+_BUFFERS = (Role.BUFFER, Role.CASCADE)
+
+
+@dataclass
+class QueueRow:
+    role: Role
+    name: str
+    ttl_ms: int | None
+    exists: bool
+    ready: int | None
+    unacked: int | None
+    consumers: int | None
+    notes: list[str] = field(default_factory=list)
+    attention: bool = False
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "role": self.role.value,
+            "name": self.name,
+            "ttl_ms": self.ttl_ms,
+            "exists": self.exists,
+            "ready": self.ready,
+            "unacked": self.unacked,
+            "consumers": self.consumers,
+            "attention": self.attention,
+            "notes": self.notes,
+        }
+
+
+def status_rows(
+    topology: Topology,
+    live: dict[str, PassiveCounts | None] | None,
+    api: dict[str, QueueStats] | None,
+) -> list[QueueRow]:
+    """One row per queue of the topology, flagged. Pure: counts are passed in.
+
+    `live` (passive declares) gives ready messages and consumers as they are now; `api`
+    (management API, sampled) adds unacked messages, and stands in when `live` is None.
+    """
+    rows: list[QueueRow] = []
+    for spec in desired(topology).queues:
+        kind, _ = topology.names.parse(spec.name)
+        role = _ROLE_OF_KIND[kind]
+        ttl = spec.arguments.get("x-message-ttl")
+        stats = api.get(spec.name) if api is not None else None
+        if live is not None:
+            counts = live.get(spec.name)
+            exists = counts is not None
+            ready = counts.ready if counts is not None else None
+            consumers = counts.consumers if counts is not None else None
+        else:
+            exists = stats is not None
+            ready = stats.ready if stats is not None else None
+            consumers = stats.consumers if stats is not None else None
+        row = QueueRow(
+            role,
+            spec.name,
+            ttl if isinstance(ttl, int) else None,
+            exists,
+            ready,
+            stats.unacked if stats is not None else None,
+            consumers,
+        )
+        _flag(row)
+        rows.append(row)
+    rows.sort(key=lambda r: _ORDER.index(r.role))  # stable: tiers keep the topology's order
+    return rows
+
+
+def _flag(row: QueueRow) -> None:
+    if not row.exists:
+        row.notes.append("missing: run `rabbit-delay declare`")
+        return
+    held = (row.ready or 0) + (row.unacked or 0)
+    if row.role in _HUMAN and held:
+        row.attention = True
+        row.notes.append(f"{held} message(s) need a human")
+    if row.role in _BUFFERS and row.consumers:
+        row.attention = True
+        row.notes.append(f"BUG: {row.consumers} consumer(s) on a delay buffer")
+
+
+def _hint(topology: Topology, row: QueueRow) -> str:
+    if row.role in _BUFFERS:
+        return (
+            "a consumer on a delay buffer takes messages before they are due; find it with "
+            "`rabbitmqctl list_consumers` and stop it"
+        )
+    if row.role is Role.CATCH_ALL:
+        return "due messages that matched no queue; see `rabbit-delay replay --unroutable`"
+    _, queue = topology.names.parse(row.name)
+    return f"parked messages; see `rabbit-delay replay {queue} --dry-run`"
+
+
+def _cell(value: int | None) -> str:
+    return "?" if value is None else str(value)
+
+
+def _status_table(title: str, rows: list[QueueRow]) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("role")
+    table.add_column("queue", overflow="fold")
+    table.add_column("ttl", justify="right")
+    table.add_column("ready", justify="right")
+    table.add_column("unacked", justify="right")
+    table.add_column("consumers", justify="right")
+    table.add_column("notes", overflow="fold")
+    for row in rows:
+        style = "bold red" if row.attention else ("yellow" if not row.exists else "")
+        notes = escape("; ".join(row.notes))
+        table.add_row(
+            row.role.value,
+            escape(row.name),
+            format_ms(row.ttl_ms) if row.ttl_ms is not None else "",
+            _cell(row.ready),
+            _cell(row.unacked),
+            _cell(row.consumers),
+            f"[{style}]{notes}[/]" if style and notes else notes,
+            style=None,
+        )
+    return table
+
+
+def _endpoint(
+    broker: str, management_url: str | None, no_management: bool
+) -> ManagementEndpoint | None:
+    return None if no_management else management_endpoint(broker, management_url)
+
+
+@app.command()
+def status(
+    file: TopologyArg = None,
+    url: UrlOpt = None,
+    management_url: MgmtOpt = None,
+    no_management: NoMgmtOpt = False,
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check",
+            help=f"Exit {EXIT_ATTENTION} when a parking lot or the catch-all holds messages, "
+            "or a delay buffer has consumers (for monitoring scripts).",
+        ),
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Every queue of the topology with its messages (ready / unacked) and consumers.
+
+    Ready messages and consumers: live, from passive declares.
+    Unacked messages: from the management API, sampled every few seconds ('?' without it).
+    Exit code 0; 3 with --check when something needs a human; 1 on error.
+    """
+    from rabbit_delay.sync import connect
+    from rabbit_delay.sync.replay import passive_counts
+
+    with errors_to_exit():
+        topology = resolve_topology(file)
+        broker = url_for(url)
+        names = [spec.name for spec in desired(topology).queues]
+        live: dict[str, PassiveCounts | None] | None = None
+        amqp_error: BrokerUnavailable | None = None
+        try:
+            connection = connect(broker, name="rabbit-delay status")
+        except BrokerUnavailable as exc:
+            amqp_error = exc
+        else:
+            try:
+                live = passive_counts(connection, names)
+            finally:
+                if connection.is_open:
+                    connection.close()
+        api: dict[str, QueueStats] | None = None
+        api_error = "not used (--no-management)"
+        endpoint = _endpoint(broker, management_url, no_management)
+        if endpoint is not None:
+            try:
+                api = read_queue_stats(endpoint, topology.names.prefix + ".")
+            except ManagementUnavailable as exc:
+                api_error = f"not reachable ({exc})"
+        if live is None and api is None:
+            assert amqp_error is not None
+            fail(f"{amqp_error}; management API {api_error}")
+    rows = status_rows(topology, live, api)
+    attention = any(r.attention for r in rows)
+    sources = {
+        "ready_and_consumers": "amqp passive declare" if live is not None else "management API",
+        "unacked": "management API" if api is not None else None,
+    }
+    if as_json:
+        print_json(
+            {
+                "namespace": topology.names.prefix,
+                "broker": redact(broker),
+                "sources": sources,
+                "management_api": "ok" if api is not None else api_error,
+                "attention": attention,
+                "queues": [r.as_json() for r in rows],
+            }
+        )
+    else:
+        title = f"status of {topology.names.prefix} on {redact(broker)}"
+        out.print(_status_table(escape(title), rows))
+        if api is None:
+            out.print(escape(f"management API {api_error}: unacked messages unknown ('?')"))
+        if live is None:
+            out.print(escape(f"no AMQP connection ({amqp_error}): counts from the management API"))
+        for row in rows:
+            if row.attention:
+                hint = escape(f"{row.name}: {_hint(topology, row)}")
+                out.print(f"[bold red]needs attention:[/] {hint}")
+        if not attention:
+            out.print("[green]nothing needs attention[/]")
+    raise typer.Exit(EXIT_ATTENTION if check and attention else EXIT_OK)
+
+
+# -- replay -----------------------------------------------------------------------------
+
+
+def _looks_like_file(text: str) -> bool:
+    return text.endswith(".toml") or Path(text).exists()
+
+
+def _preview_json(preview: Preview) -> dict[str, Any]:
+    return {
+        "dry_run": True,
+        "source": preview.source,
+        "destination": preview.destination,
+        "held": preview.held,
+        "via": preview.via,
+        "would_move": sum(1 for p in preview.messages if p.moves),
+        "messages": [p.message.summary() | {"action": p.action} for p in preview.messages],
+    }
+
+
+def _preview_table(preview: Preview) -> Table:
+    title = f"dry run: {preview.source} -> {preview.destination} (read via {preview.via})"
+    table = Table(title=escape(title), title_justify="left")
+    for column in ("message_id", "error", "attempts", "reason", "parked at", "would go to"):
+        table.add_column(column, overflow="fold")
+    for p in preview.messages:
+        s = p.message.summary()
+        error = ": ".join(str(s[k]) for k in ("error_type", "error_message") if s[k] is not None)
+        action = escape(p.action) if p.moves else f"[yellow]{escape(p.action)}[/]"
+        table.add_row(
+            escape(str(s["message_id"])),
+            escape(error[:200]),
+            _cell(s["attempts"] if isinstance(s["attempts"], int) else None),
+            escape(str(s["park_reason"] or "")),
+            escape(str(s["parked_at"] or "")),
+            action,
+        )
+    return table
+
+
+def _report_json(report: ReplayReport) -> dict[str, Any]:
+    return {
+        "dry_run": False,
+        "ok": report.ok,
+        "source": report.source,
+        "destination": report.destination,
+        "moved": len(report.moved),
+        "message_ids": [m.message_id for m in report.moved],
+        "left": [{"message_id": mid, "reason": why} for mid, why in report.left],
+        "error": report.error,
+    }
+
+
+@app.command()
+def replay(
+    queue: Annotated[
+        str | None,
+        typer.Argument(
+            help="Business queue (logical name) whose parking lot to replay; with "
+            "--unroutable, only catch-all messages for this queue.",
+            show_default=False,
+        ),
+    ] = None,
+    file: TopologyArg = None,
+    limit: Annotated[
+        int | None,
+        typer.Option("--limit", "-n", min=1, help="Move at most N messages.", show_default=False),
+    ] = None,
+    tier: Annotated[
+        str | None,
+        typer.Option("--tier", "-t", help="Replay after this delay tier instead of at once."),
+    ] = None,
+    now: Annotated[
+        bool, typer.Option("--now", help="Replay at once, through the due exchange (default).")
+    ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="List what would be replayed; every message stays put."),
+    ] = False,
+    unroutable: Annotated[
+        bool,
+        typer.Option(
+            "--unroutable",
+            help="Re-route the catch-all's messages to their original target instead.",
+        ),
+    ] = False,
+    url: UrlOpt = None,
+    management_url: MgmtOpt = None,
+    no_management: NoMgmtOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Move parked messages back to their business queue as first attempts (rd-attempt 1).
+
+    Each copy is confirmed by the broker before the parked message is acked.
+    On a failure the message stays parked and the command stops with exit code 1.
+    """
+    from rabbit_delay.sync import connect
+    from rabbit_delay.sync.replay import (
+        preview_parked,
+        preview_unroutable,
+        replay_parked,
+        replay_unroutable,
+    )
+
+    if tier is not None and now:
+        fail("give either --tier or --now, not both")
+    if unroutable:
+        if tier is not None:
+            fail("--tier does not apply to --unroutable: catch-all messages are already due")
+        if queue is not None and file is None and _looks_like_file(queue):
+            file, queue = Path(queue), None
+    elif queue is None or (file is None and _looks_like_file(queue)):
+        fail("name the QUEUE whose parking lot to replay, or pass --unroutable for the catch-all")
+
+    with errors_to_exit():
+        topology = resolve_topology(file)
+        broker = url_for(url)
+        connection = connect(broker, name="rabbit-delay replay")
+        try:
+            if dry_run:
+                endpoint = _endpoint(broker, management_url, no_management)
+                if unroutable:
+                    preview = preview_unroutable(
+                        connection, topology, queue=queue, limit=limit, endpoint=endpoint
+                    )
+                else:
+                    assert queue is not None
+                    preview = preview_parked(
+                        connection, topology, queue, tier=tier, limit=limit, endpoint=endpoint
+                    )
+            elif unroutable:
+                report = replay_unroutable(connection, topology, queue=queue, limit=limit)
+            else:
+                assert queue is not None
+                report = replay_parked(connection, topology, queue, tier=tier, limit=limit)
+        finally:
+            if connection.is_open:
+                connection.close()
+
+    if dry_run:
+        if as_json:
+            print_json(_preview_json(preview))
+        else:
+            out.print(_preview_table(preview))
+            moving = sum(1 for p in preview.messages if p.moves)
+            shown = len(preview.messages)
+            more = f" (showing {shown} of {preview.held})" if shown < preview.held else ""
+            out.print(f"would move {moving} message(s){escape(more)}; nothing was changed")
+        raise typer.Exit(EXIT_OK)
+
+    if as_json:
+        print_json(_report_json(report))
+    else:
+        moved = f"moved {len(report.moved)} message(s) from {report.source} to {report.destination}"
+        out.print(escape(moved))
+        for message_id, why in report.left:
+            err.print("[yellow]left in place:[/] ", end="")
+            err.print(redact(f"{message_id}: {why}"), markup=False)
+    if report.error is not None:
+        if as_json:
+            raise typer.Exit(EXIT_ERROR)
+        fail(report.error)
+    raise typer.Exit(EXIT_OK)
+
+
+__all__ = ["EXIT_ATTENTION", "QueueRow", "Role", "replay", "status", "status_rows"]

@@ -1,0 +1,177 @@
+"""worker: run an App's consumers."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import sys
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rabbit_delay.cli._app import UrlOpt, app, errors_to_exit, fail, url_for
+from rabbit_delay.consumer import App, Transport
+from rabbit_delay.durations import parse_ms
+from rabbit_delay.errors import DurationError
+
+
+class TransportChoice(StrEnum):
+    AUTO = "auto"
+    SYNC = "sync"
+    ASYNC = "async"
+
+
+class LogLevel(StrEnum):
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+def load_app(target: str, app_dir: Path) -> App:
+    """Import `MODULE:ATTR` (ATTR may be dotted, or a factory returning an App)."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        fail(f"{target!r}: give the app as MODULE:APP, e.g. myapp.workers:app")
+    sys.path.insert(0, str(app_dir.resolve()))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        if exc.name == module_name or module_name.startswith(f"{exc.name}."):
+            fail(f"cannot import module {module_name!r} from {app_dir.resolve()} "
+                 "(or sys.path): use --app-dir to name its directory")
+        raise
+    obj: object = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            fail(f"module {module_name!r} has no attribute {attr!r}")
+    if not isinstance(obj, App) and callable(obj):
+        obj = obj()
+    if not isinstance(obj, App):
+        fail(f"{target!r} is a {type(obj).__name__}, not a rabbit_delay.consumer.App")
+    return obj
+
+
+TargetArg = Annotated[
+    str, typer.Argument(metavar="MODULE:APP", help="The App, e.g. myapp.workers:app.")
+]
+QueueOpt = Annotated[
+    list[str] | None,
+    typer.Option("--queue", "-q", help="Consume only this queue (repeatable); default: all."),
+]
+PrefetchOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--prefetch", min=1, help="Unacked deliveries per queue (default: 2 x concurrency)."
+    ),
+]
+ConcurrencyOpt = Annotated[
+    int | None,
+    typer.Option("--concurrency", "-c", min=1, help="Handlers at once (default: sync 4, async 16)"),
+]
+DeclareOpt = Annotated[
+    bool, typer.Option("--declare", help="Declare the topology first (needs configure permission).")
+]
+TransportOpt = Annotated[
+    TransportChoice,
+    typer.Option(
+        "--transport",
+        help="sync (pika, threads) or async (aio-pika); auto: async if a handler is async def.",
+    ),
+]
+ShutdownOpt = Annotated[
+    str, typer.Option("--shutdown-timeout", help="On SIGINT/SIGTERM, time for in-flight handlers.")
+]
+AppDirOpt = Annotated[
+    Path, typer.Option("--app-dir", help="Directory to import MODULE from (default: current).")
+]
+MetricsPortOpt = Annotated[
+    int | None,
+    typer.Option("--metrics-port", min=0, help="Serve Prometheus /metrics on this port."),
+]
+LogLevelOpt = Annotated[
+    LogLevel, typer.Option("--log-level", help="Level of rabbit-delay's loggers.")
+]
+
+
+@app.command()
+def worker(
+    target: TargetArg,
+    queue: QueueOpt = None,
+    prefetch: PrefetchOpt = None,
+    concurrency: ConcurrencyOpt = None,
+    declare: DeclareOpt = False,
+    transport: TransportOpt = TransportChoice.AUTO,
+    shutdown_timeout: ShutdownOpt = "30s",
+    app_dir: AppDirOpt = Path("."),
+    log_level: LogLevelOpt = LogLevel.INFO,
+    metrics_port: MetricsPortOpt = None,
+    url: UrlOpt = None,
+) -> None:
+    """Run the consumers of MODULE:APP until SIGINT/SIGTERM.
+
+    Acks after the handler returned; failures retry through the queue's delay tiers
+    and end up in its parking lot. Without --declare, queues are only checked with
+    passive declarations (read permission is enough).
+    """
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("rabbit_delay").setLevel(log_level.upper())
+    try:
+        timeout_s = parse_ms(shutdown_timeout) / 1000
+    except DurationError as exc:
+        fail(f"--shutdown-timeout: {exc}")
+    with errors_to_exit():
+        the_app = load_app(target, app_dir)
+        consumers = the_app.select(queue)
+        if transport is TransportChoice.AUTO:
+            chosen = Transport.ASYNC if any(c.is_async for c in consumers) else Transport.SYNC
+        else:
+            chosen = Transport(transport.value)
+        broker = url_for(url)
+        metrics = None
+        if metrics_port is not None:
+            from rabbit_delay.metrics import default_metrics, start_metrics_server
+
+            metrics = default_metrics()
+            start_metrics_server(metrics_port)
+        try:
+            if chosen is Transport.SYNC:
+                from rabbit_delay.sync.worker import Worker
+
+                Worker(
+                    the_app, broker, queues=queue, prefetch=prefetch,
+                    concurrency=concurrency or 4, declare=declare, shutdown_timeout=timeout_s,
+                    metrics=metrics,
+                ).run()
+            else:
+                from rabbit_delay.aio.worker import AsyncWorker
+
+                async_worker = AsyncWorker(
+                    the_app, broker, queues=queue, prefetch=prefetch,
+                    concurrency=concurrency or 16, declare=declare, shutdown_timeout=timeout_s,
+                    metrics=metrics,
+                )
+                asyncio.run(_run_async(the_app, async_worker))
+        finally:
+            if chosen is Transport.SYNC:
+                the_app.close()
+
+
+async def _run_async(the_app: App, async_worker: object) -> None:
+    from rabbit_delay.aio.worker import AsyncWorker
+
+    assert isinstance(async_worker, AsyncWorker)
+    try:
+        await async_worker.run()
+    finally:
+        await the_app.aclose()
+
+
+__all__ = ["load_app", "worker"]

@@ -1,0 +1,345 @@
+"""The retry/park decision: what happens to a delivery after its outcome. Pure.
+
+Both workers call `decide(...)` and execute the action it returns; no rule about
+attempts, tiers, parking or headers is written anywhere else.
+
+    outcome                          action
+    -------------------------------  ---------------------------------------------------
+    None (the handler returned)      Ack
+    ClaimResult.DONE                 Skip(duplicate)     ack, handler not run
+    ClaimResult.CANCELLED            Skip(cancelled)     ack, handler not run (tombstone)
+    ClaimResult.IN_PROGRESS          Republish(defer)    same attempt, shortest tier
+    Undecodable                      Park(decode_error | validation_error)
+    Reject                           Park(rejected)
+    Retry / any other exception      Republish(retry) with attempt + 1, or, after the
+                                     queue's max_attempts, Park(max_attempts)
+    Unavailable (store failure)      Requeue             basic.reject(requeue=True)
+
+Republish and Park are executed the same way: publish the prepared `Outgoing`
+(confirmed; mandatory where the route allows) and only then ack the original.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from enum import StrEnum
+
+from pydantic import ValidationError
+
+from rabbit_delay import names as h
+from rabbit_delay.consumer._signals import Reject, Retry
+from rabbit_delay.delays import Route, Router
+from rabbit_delay.errors import ConfigError, DelayError, UnknownTargetError
+from rabbit_delay.idempotency import ClaimResult
+from rabbit_delay.message import BINARY, Envelope, Outgoing, new_message_id
+from rabbit_delay.publishing import PublisherCore
+from rabbit_delay.replay import republish_headers
+from rabbit_delay.topology import Topology
+
+# Header budget: AMQP headers travel in one frame (frame_max, 128 KiB by default).
+MAX_ERROR_MESSAGE = 1_000
+MAX_TRACEBACK = 4_000
+TRUNCATED = "...(truncated)\n"
+
+
+class ParkReason(StrEnum):
+    """Why a message went to the parking lot (header rd-park-reason)."""
+
+    MAX_ATTEMPTS = "max_attempts"  # failed on its last attempt
+    REJECTED = "rejected"  # the handler raised Reject
+    DECODE_ERROR = "decode_error"  # the body is not valid JSON (or not decodable at all)
+    VALIDATION_ERROR = "validation_error"  # valid JSON that does not fit the model
+
+
+class SkipReason(StrEnum):
+    DUPLICATE = "duplicate"  # a copy was already handled
+    CANCELLED = "cancelled"  # app.cancel(key) left a tombstone
+
+
+class RepublishReason(StrEnum):
+    RETRY = "retry"  # the handler failed; try again later
+    DEFER = "defer"  # a copy is being handled right now; look again later
+
+
+# -- outcomes ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    """The body (or the project's headers) could not be turned into the handler's input."""
+
+    reason: ParkReason
+    error_type: str
+    message: str
+
+    @classmethod
+    def from_exception(cls, exc: Exception) -> Undecodable:
+        reason = ParkReason.VALIDATION_ERROR
+        if isinstance(exc, ValidationError):
+            if any(e["type"] == "json_invalid" for e in exc.errors()):
+                reason = ParkReason.DECODE_ERROR
+        else:
+            reason = ParkReason.DECODE_ERROR
+        return cls(reason, error_type_of(exc), str(exc))
+
+
+@dataclass(frozen=True, slots=True)
+class Unavailable:
+    """The idempotency store failed: nothing is known, so the broker keeps the message."""
+
+    error: BaseException
+
+
+Outcome = None | ClaimResult | Undecodable | Unavailable | BaseException
+
+
+# -- actions ----------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """The handler succeeded: ack."""
+
+
+@dataclass(frozen=True, slots=True)
+class Skip:
+    """Ack without running the handler."""
+
+    reason: SkipReason
+
+
+@dataclass(frozen=True, slots=True)
+class Republish:
+    """Publish `outgoing` (a new copy through a delay), confirmed; then ack the original."""
+
+    outgoing: Outgoing
+    reason: RepublishReason
+    attempt: int  # the attempt number the new copy carries
+    error: str | None = None  # "Type: message" of the failure, for the log
+
+
+@dataclass(frozen=True, slots=True)
+class Park:
+    """Publish `outgoing` to the parking exchange (confirmed, mandatory); then ack."""
+
+    outgoing: Outgoing
+    reason: ParkReason
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class Requeue:
+    """basic.reject(requeue=True), one delivery: let the broker hand it out again."""
+
+    error: str
+
+
+Action = Ack | Skip | Republish | Park | Requeue
+
+ACK = Ack()
+SKIP_DUPLICATE = Skip(SkipReason.DUPLICATE)
+SKIP_CANCELLED = Skip(SkipReason.CANCELLED)
+
+
+# -- per-queue policy -------------------------------------------------------------------
+
+class QueuePolicy:
+    """A queue's retry policy resolved once into routes, so a failure costs no lookups.
+
+    Every retry and defer route targets the queue's unique key (`names.queue_key`):
+    the copy goes back to the queue that failed, never to every queue bound to the
+    key the message was first published with.
+
+    Raises ConfigError if a retry tier or backoff delay cannot reach the queue
+    (a tier outside the queue's `tiers`, a delay no backend serves).
+    """
+
+    __slots__ = (
+        "defer_route",
+        "key",
+        "max_attempts",
+        "parking_exchange",
+        "queue",
+        "retry_routes",
+        "router",
+    )
+
+    def __init__(self, topology: Topology, queue: str, router: Router | None = None) -> None:
+        if queue not in topology.queues:
+            known = ", ".join(sorted(topology.queues))
+            raise ConfigError(
+                f"queue {queue!r} is not in the topology {topology.names.prefix!r}; it has: {known}"
+            )
+        cfg = topology.queues[queue]
+        names = topology.names
+        self.router = router if router is not None else Router(topology)
+        self.queue = queue
+        self.key = names.queue_key(queue)
+        self.parking_exchange = names.parking_exchange()
+        self.max_attempts = cfg.retry.max_attempts
+        try:
+            backoff = cfg.retry.backoff
+            if backoff is not None:
+                retries = range(1, max(cfg.retry.max_attempts, 2))
+                self.retry_routes = tuple(
+                    self.router.resolve(self.key, delay_ms=backoff.delay_ms(n)) for n in retries
+                )
+            allowed = cfg.tiers if cfg.tiers is not None else tuple(topology.tiers)
+            if not allowed:
+                raise ConfigError(f"queues.{queue}: accepts no tier, so nothing can retry")
+            shortest = min(allowed, key=topology.tiers.__getitem__)
+            self.defer_route = self.router.resolve(self.key, tier=shortest)
+            if backoff is None:
+                # Without retry tiers: the shortest tier this queue accepts (which
+                # Topology.retry_tiers, looking at every tier, may not be).
+                tiers = cfg.retry.tiers or (shortest,)
+                self.retry_routes = tuple(self.router.resolve(self.key, tier=t) for t in tiers)
+        except (DelayError, UnknownTargetError) as exc:
+            raise ConfigError(f"queues.{queue}.retry: {exc}") from None
+
+    def retry_route(self, retry_number: int) -> Route:
+        """Route of retry `retry_number` (1 = first retry); the last one repeats."""
+        routes = self.retry_routes
+        return routes[min(retry_number, len(routes)) - 1]
+
+    def requested_route(self, signal: Retry, retry_number: int) -> tuple[Route, str | None]:
+        """The route a `Retry(tier=..., delay=...)` asks for, or the scheduled one and why."""
+        if signal.tier is None and signal.delay_ms is None:
+            return self.retry_route(retry_number), None
+        try:
+            return self.router.resolve(self.key, tier=signal.tier, delay_ms=signal.delay_ms), None
+        except (DelayError, UnknownTargetError) as exc:
+            return self.retry_route(retry_number), f"requested retry delay refused ({exc})"
+
+
+# -- the decision -----------------------------------------------------------------------
+
+def error_type_of(exc: BaseException) -> str:
+    """`ValueError`, `myapp.errors.PaymentDeclined`; private module segments dropped
+    (`pydantic_core._pydantic_core.ValidationError` -> `pydantic_core.ValidationError`)."""
+    cls = type(exc)
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    public = [part for part in cls.__module__.split(".") if not part.startswith("_")]
+    return ".".join((*public, cls.__qualname__))
+
+
+def _truncate(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - len(TRUNCATED)] + TRUNCATED
+
+
+def _tail(text: str, limit: int) -> str:
+    """The end of a traceback is where the error is: keep that."""
+    return text if len(text) <= limit else TRUNCATED + text[len(text) - limit + len(TRUNCATED) :]
+
+
+def format_traceback(exc: BaseException) -> str:
+    return _tail("".join(traceback.format_exception(exc)), MAX_TRACEBACK)
+
+
+def _failure_headers(
+    env: Envelope, now_ms: int, error_type: str, message: str
+) -> dict[str, object]:
+    headers = republish_headers(env.headers)
+    headers.setdefault(h.H_FIRST_FAILURE, now_ms)
+    headers[h.H_LAST_FAILURE] = now_ms
+    headers[h.H_ERROR_TYPE] = error_type
+    headers[h.H_ERROR_MESSAGE] = _truncate(message, MAX_ERROR_MESSAGE)
+    return headers
+
+
+def _park(
+    env: Envelope,
+    policy: QueuePolicy,
+    reason: ParkReason,
+    *,
+    error_type: str,
+    message: str,
+    trace: str | None,
+    body: bytes,
+    content_type: str | None,
+    now_ms: int,
+) -> Park:
+    headers = _failure_headers(env, now_ms, error_type, message)
+    if trace:
+        headers[h.H_ERROR_TRACEBACK] = trace
+    headers[h.H_ORIGINAL_QUEUE] = policy.queue
+    headers[h.H_ATTEMPT] = env.attempt
+    headers[h.H_PARK_REASON] = reason.value
+    out = Outgoing(
+        exchange=policy.parking_exchange,
+        routing_key=policy.key,
+        body=body,
+        message_id=env.message_id or new_message_id(),
+        content_type=content_type or BINARY,
+        headers=headers,
+        mandatory=True,  # a parking lot that is not bound must fail loudly, not drop
+        timestamp=now_ms // 1000,
+    )
+    return Park(out, reason, f"{error_type}: {_truncate(message, 200)}")
+
+
+def decide(
+    env: Envelope,
+    policy: QueuePolicy,
+    outcome: Outcome,
+    *,
+    body: bytes,
+    content_type: str | None,
+    now_ms: int,
+) -> Action:
+    """The action for one delivery. See the module docstring for the table.
+
+    Raises ValueError for ClaimResult.CLAIMED, which is not an outcome (run the handler).
+    """
+    if outcome is None:
+        return ACK
+    if isinstance(outcome, ClaimResult):
+        if outcome is ClaimResult.DONE:
+            return SKIP_DUPLICATE
+        if outcome is ClaimResult.CANCELLED:
+            return SKIP_CANCELLED
+        if outcome is ClaimResult.IN_PROGRESS:
+            # Not run beside the copy in progress, and not requeued (that spins, and on a
+            # quorum queue every requeue counts towards x-delivery-limit): look again
+            # after the shortest tier, same attempt. By then the copy is done (this one is
+            # skipped) or its lease has expired (this one runs).
+            headers = republish_headers(env.headers)
+            out = PublisherCore.outgoing(
+                policy.defer_route, body, content_type or BINARY, now_ms, env.message_id,
+                headers, env.attempt,
+            )
+            return Republish(out, RepublishReason.DEFER, env.attempt)
+        raise ValueError(f"{outcome!r} is not an outcome: run the handler")
+    if isinstance(outcome, Unavailable):
+        return Requeue(f"{error_type_of(outcome.error)}: {outcome.error}")
+    if isinstance(outcome, Undecodable):
+        return _park(
+            env, policy, outcome.reason, error_type=outcome.error_type, message=outcome.message,
+            trace=None, body=body, content_type=content_type, now_ms=now_ms,
+        )
+    if isinstance(outcome, Reject):
+        return _park(
+            env, policy, ParkReason.REJECTED, error_type=error_type_of(outcome),
+            message=outcome.reason, trace=None, body=body, content_type=content_type,
+            now_ms=now_ms,
+        )
+    error_type = error_type_of(outcome)
+    message = str(outcome)
+    if env.attempt >= policy.max_attempts:
+        return _park(
+            env, policy, ParkReason.MAX_ATTEMPTS, error_type=error_type, message=message,
+            trace=format_traceback(outcome), body=body, content_type=content_type, now_ms=now_ms,
+        )
+    note = None
+    if isinstance(outcome, Retry):
+        route, note = policy.requested_route(outcome, env.attempt)
+    else:
+        route = policy.retry_route(env.attempt)
+    if note:
+        message = f"{message}; {note}"
+    headers = _failure_headers(env, now_ms, error_type, message)
+    out = PublisherCore.outgoing(
+        route, body, content_type or BINARY, now_ms, env.message_id, headers, env.attempt + 1
+    )
+    summary = f"{error_type}: {_truncate(message, 200)}"
+    return Republish(out, RepublishReason.RETRY, env.attempt + 1, summary)

@@ -1,0 +1,150 @@
+"""What a worker counts and logs per action; shared by both workers so they read alike."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from rabbit_delay.consumer._decide import (
+    Ack,
+    Action,
+    Park,
+    ParkReason,
+    Republish,
+    RepublishReason,
+    Requeue,
+    Skip,
+    SkipReason,
+)
+from rabbit_delay.names import H_DELAY_MS, H_TIER
+
+if TYPE_CHECKING:
+    from rabbit_delay.metrics import Metrics
+
+log = logging.getLogger("rabbit_delay.worker")
+
+
+def worker_identity() -> str:
+    """host:pid:random, the prefix of every idempotency owner token of one worker.
+
+    An owner token is this plus a per-delivery counter: a claim is re-entrant for its
+    owner, so two deliveries must never share one.
+    """
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class WorkerStats:
+    """Counters of one worker. Updated on the thread (or loop) that acks, so no lock."""
+
+    received: int = 0
+    acked: int = 0  # handler succeeded
+    retried: int = 0  # re-published through a delay tier for another attempt
+    deferred: int = 0  # a copy was in progress elsewhere: re-published, same attempt
+    parked: int = 0
+    duplicates: int = 0  # already done: acked, not run
+    cancelled: int = 0  # tombstoned: acked, not run
+    requeued: int = 0  # idempotency store failed, or not started at shutdown: nacked
+    publish_failures: int = 0  # a retry/park publish failed: rejected to the broker's DLX
+    stale: int = 0  # finished after its channel was lost: not acked (redelivered)
+    reconnects: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def record(self, action: Action) -> None:
+        if isinstance(action, Ack):
+            self.acked += 1
+        elif isinstance(action, Skip):
+            if action.reason is SkipReason.DUPLICATE:
+                self.duplicates += 1
+            else:
+                self.cancelled += 1
+        elif isinstance(action, Republish):
+            if action.reason is RepublishReason.RETRY:
+                self.retried += 1
+            else:
+                self.deferred += 1
+        elif isinstance(action, Park):
+            self.parked += 1
+        elif isinstance(action, Requeue):
+            self.requeued += 1
+
+
+class WorkerMetrics:
+    """Prometheus metrics of one worker (`rabbit_delay.metrics`), label children resolved
+    once per queue so a delivery costs a few dictionary lookups."""
+
+    def __init__(self, metrics: Metrics, queues: Iterable[str]) -> None:
+        from rabbit_delay.metrics import Outcome
+
+        by_key: dict[object, Outcome] = {
+            Ack: Outcome.SUCCESS,
+            Park: Outcome.PARK,
+            RepublishReason.RETRY: Outcome.RETRY,
+            RepublishReason.DEFER: Outcome.IN_PROGRESS,
+            SkipReason.DUPLICATE: Outcome.DUPLICATE,
+            SkipReason.CANCELLED: Outcome.CANCELLED,
+        }
+        self.metrics = metrics
+        self._handled: dict[tuple[str, object], Any] = {}
+        self._handler: dict[str, Any] = {}
+        self._lateness: dict[str, Any] = {}
+        for queue in queues:
+            for key, outcome in by_key.items():
+                child = metrics.handled_total.labels(queue=queue, outcome=outcome.value)
+                self._handled[(queue, key)] = child
+            self._handler[queue] = metrics.handler_seconds.labels(queue=queue)
+            self._lateness[queue] = metrics.delivery_lateness_seconds.labels(queue=queue)
+
+    def handled(self, queue: str, action: Action) -> None:
+        """Count one delivery by outcome (a requeue is not an outcome: it comes back)."""
+        key = action.reason if isinstance(action, Skip | Republish) else type(action)
+        child = self._handled.get((queue, key))
+        if child is not None:
+            child.inc()
+
+    def handler_time(self, queue: str, seconds: float) -> None:
+        self._handler[queue].observe(seconds)
+
+    def lateness(self, queue: str, due_at_ms: int | None, received_ms: int) -> None:
+        if due_at_ms is not None:  # early (clock skew) counts as 0, as Metrics.lateness
+            self._lateness[queue].observe(max(received_ms - due_at_ms, 0) / 1000)
+
+
+def log_action(queue: str, message_id: str | None, attempt: int, action: Action) -> None:
+    """debug per message, info per retry/park, warning per error."""
+    if isinstance(action, Ack):
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s: %s handled (attempt %d), acked", queue, message_id, attempt)
+    elif isinstance(action, Skip):
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s: %s skipped (%s), acked", queue, message_id, action.reason.value)
+    elif isinstance(action, Republish):
+        out = action.outgoing
+        tier = out.headers.get(H_TIER)
+        if action.reason is RepublishReason.RETRY:
+            log.warning("%s: %s failed on attempt %d: %s", queue, message_id, attempt, action.error)
+            log.info(
+                "%s: %s will be retried as attempt %d after %s (%s ms)",
+                queue, message_id, action.attempt, tier, out.headers.get(H_DELAY_MS),
+            )
+        else:
+            log.info(
+                "%s: %s is being handled elsewhere; looking again after %s",
+                queue, message_id, tier,
+            )
+    elif isinstance(action, Park):
+        if action.reason is ParkReason.MAX_ATTEMPTS:
+            log.warning("%s: %s failed on attempt %d: %s", queue, message_id, attempt, action.error)
+        log.info(
+            "%s: %s parked via %s (%s): %s",
+            queue, message_id, action.outgoing.exchange, action.reason.value, action.error,
+        )
+    else:
+        log.warning("%s: %s requeued: %s", queue, message_id, action.error)

@@ -1,0 +1,301 @@
+"""The idempotency contract: claim results, the store protocols and the guards. Pure."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from enum import StrEnum
+from typing import TYPE_CHECKING, Protocol
+
+from rabbit_delay.errors import ConfigError
+from rabbit_delay.message import now_ms as wall_clock_ms
+
+if TYPE_CHECKING:
+    from rabbit_delay.topology import IdempotencyConfig
+
+DEFAULT_PREFIX = "rabbit-delay:"
+
+Clock = Callable[[], int]
+
+
+class ClaimResult(StrEnum):
+    """What a claim found, and so what the worker does with the delivery."""
+
+    CLAIMED = "claimed"  # run the handler
+    DONE = "done"  # already handled: ack and skip
+    IN_PROGRESS = "in_progress"  # another owner holds a live lease: do not run it now
+    CANCELLED = "cancelled"  # a tombstone: ack and drop
+
+
+class IdempotencyStore(Protocol):
+    """Where claims, done-records and tombstones live. Synchronous.
+
+    Times are epoch milliseconds passed in by the caller (a testable clock); a record
+    whose `expires_at` is at or before `now_ms` counts as absent. Keys are namespaced
+    by the store's prefix. Errors of the backend (`sqlite3.Error`, `redis.RedisError`)
+    propagate unchanged.
+    """
+
+    @property
+    def needs_purge(self) -> bool:
+        """True when expired rows stay until `purge()`; False when the backend expires them."""
+        ...
+
+    def claim(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> ClaimResult:
+        """CLAIMED if free, expired, or already held by `owner` (the lease is renewed);
+        DONE / CANCELLED for a live done-record / tombstone; IN_PROGRESS if another
+        owner holds a live lease."""
+        ...
+
+    def complete(self, key: str, owner: str, *, now_ms: int, retention_ms: int) -> None:
+        """Record `key` done for `retention_ms`; a no-op on a live done-record or tombstone."""
+        ...
+
+    def release(self, key: str, owner: str) -> None:
+        """Drop `owner`'s claim so a retry can run; a no-op if `owner` no longer holds it."""
+        ...
+
+    def cancel(self, key: str, *, now_ms: int, retention_ms: int) -> None:
+        """Write a tombstone, overriding a claim or done-record, for `retention_ms`."""
+        ...
+
+    def purge(self, *, now_ms: int) -> int:
+        """Delete expired claims, done-records and tombstones; returns how many."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class AsyncIdempotencyStore(Protocol):
+    """`IdempotencyStore` with coroutine methods (same semantics)."""
+
+    @property
+    def needs_purge(self) -> bool: ...
+
+    async def claim(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> ClaimResult: ...
+
+    async def complete(self, key: str, owner: str, *, now_ms: int, retention_ms: int) -> None: ...
+
+    async def release(self, key: str, owner: str) -> None: ...
+
+    async def cancel(self, key: str, *, now_ms: int, retention_ms: int) -> None: ...
+
+    async def purge(self, *, now_ms: int) -> int: ...
+
+    async def close(self) -> None: ...
+
+
+class SyncStoreAsAsync:
+    """An `AsyncIdempotencyStore` that calls a local store directly, on the event loop.
+
+    Right for the memory and SQLite stores, whose operations take microseconds: a
+    thread hop would cost more than the call. The one stall is SQLite's busy wait when
+    another process holds the write lock (bounded by the store's busy timeout).
+    """
+
+    __slots__ = ("store",)
+
+    def __init__(self, store: IdempotencyStore) -> None:
+        self.store = store
+
+    @property
+    def needs_purge(self) -> bool:
+        return self.store.needs_purge
+
+    async def claim(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> ClaimResult:
+        return self.store.claim(key, owner, now_ms=now_ms, lease_ms=lease_ms)
+
+    async def complete(self, key: str, owner: str, *, now_ms: int, retention_ms: int) -> None:
+        self.store.complete(key, owner, now_ms=now_ms, retention_ms=retention_ms)
+
+    async def release(self, key: str, owner: str) -> None:
+        self.store.release(key, owner)
+
+    async def cancel(self, key: str, *, now_ms: int, retention_ms: int) -> None:
+        self.store.cancel(key, now_ms=now_ms, retention_ms=retention_ms)
+
+    async def purge(self, *, now_ms: int) -> int:
+        return self.store.purge(now_ms=now_ms)
+
+    async def close(self) -> None:
+        self.store.close()
+
+
+@dataclass
+class GuardStats:
+    """Counters of claim outcomes, for metrics. Read them; the guard increments them."""
+
+    claimed: int = 0
+    duplicates_skipped: int = 0  # DONE: a redelivery or duplicate publish of a handled message
+    in_progress_deferred: int = 0  # IN_PROGRESS: a copy is being handled elsewhere
+    cancelled_dropped: int = 0  # CANCELLED: a tombstone stopped the handler
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_COUNTER = {
+    ClaimResult.CLAIMED: "claimed",
+    ClaimResult.DONE: "duplicates_skipped",
+    ClaimResult.IN_PROGRESS: "in_progress_deferred",
+    ClaimResult.CANCELLED: "cancelled_dropped",
+}
+
+
+def _check_durations(lease_ms: int, retention_ms: int) -> None:
+    if lease_ms <= 0:
+        raise ConfigError(f"idempotency lease must be positive, got {lease_ms} ms")
+    if retention_ms <= 0:
+        raise ConfigError(f"idempotency retention must be positive, got {retention_ms} ms")
+
+
+def _check_key(key: str) -> None:
+    if not key:
+        raise ValueError("an idempotency key must be a non-empty string (is message_id missing?)")
+
+
+class _GuardBase:
+    def __init__(self, *, lease_ms: int, retention_ms: int, clock: Clock) -> None:
+        _check_durations(lease_ms, retention_ms)
+        self.lease_ms = lease_ms
+        self.retention_ms = retention_ms
+        self.clock = clock
+        self.stats = GuardStats()
+        # Counters are bumped from worker threads; `+=` on an attribute is not atomic.
+        self._stats_lock = threading.Lock()
+
+    def _tombstone_ms(self, retention_ms: int | None) -> int:
+        if retention_ms is None:
+            return self.retention_ms
+        if retention_ms <= 0:
+            raise ValueError(f"a tombstone's retention must be positive, got {retention_ms} ms")
+        return retention_ms
+
+    def _count(self, result: ClaimResult) -> None:
+        name = _COUNTER[result]
+        with self._stats_lock:
+            setattr(self.stats, name, getattr(self.stats, name) + 1)
+
+
+class Guard(_GuardBase):
+    """A store bound to a lease, a retention and a clock; counts claim outcomes.
+
+    `owner` must identify one handling attempt (a fresh token per delivery, not per
+    process): a claim by the same owner is re-entrant, which is how a long handler
+    renews its lease, and would let two deliveries with one owner run together.
+
+    Raises ConfigError for a lease or retention that is not positive.
+    """
+
+    def __init__(
+        self,
+        store: IdempotencyStore,
+        *,
+        lease_ms: int,
+        retention_ms: int,
+        clock: Clock = wall_clock_ms,
+    ) -> None:
+        super().__init__(lease_ms=lease_ms, retention_ms=retention_ms, clock=clock)
+        self.store = store
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: IdempotencyConfig,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        clock: Clock = wall_clock_ms,
+    ) -> Guard:
+        """A guard over the store `cfg` names, with its lease and retention.
+
+        Raises like `store_from_config`.
+        """
+        from rabbit_delay.idempotency._factory import store_from_config
+
+        store = store_from_config(cfg, prefix=prefix)
+        return cls(store, lease_ms=cfg.lease, retention_ms=cfg.retention, clock=clock)
+
+    def claim(self, key: str, owner: str) -> ClaimResult:
+        """Claim `key` for `owner` before the handler runs (again to renew the lease).
+
+        Raises ValueError for an empty key; store errors propagate.
+        """
+        _check_key(key)
+        result = self.store.claim(key, owner, now_ms=self.clock(), lease_ms=self.lease_ms)
+        self._count(result)
+        return result
+
+    def done(self, key: str, owner: str) -> None:
+        """The handler succeeded: keep `key` as done for the retention period."""
+        self.store.complete(key, owner, now_ms=self.clock(), retention_ms=self.retention_ms)
+
+    def failed(self, key: str, owner: str) -> None:
+        """The handler failed: drop the claim so the retry can claim it."""
+        self.store.release(key, owner)
+
+    def cancel(self, key: str, *, retention_ms: int | None = None) -> None:
+        """Tombstone `key`: when a message with this key arrives, it is dropped unhandled.
+
+        The tombstone must outlive the message's due time (and its retries): pass
+        `retention_ms` for a delay longer than the configured retention.
+        Raises ValueError for an empty key or a retention that is not positive.
+        """
+        _check_key(key)
+        keep = self._tombstone_ms(retention_ms)
+        self.store.cancel(key, now_ms=self.clock(), retention_ms=keep)
+
+    def purge(self) -> int:
+        """Delete expired records now; returns how many."""
+        return self.store.purge(now_ms=self.clock())
+
+
+class AsyncGuard(_GuardBase):
+    """`Guard` over an `AsyncIdempotencyStore`. Raises ConfigError like `Guard`."""
+
+    def __init__(
+        self,
+        store: AsyncIdempotencyStore,
+        *,
+        lease_ms: int,
+        retention_ms: int,
+        clock: Clock = wall_clock_ms,
+    ) -> None:
+        super().__init__(lease_ms=lease_ms, retention_ms=retention_ms, clock=clock)
+        self.store = store
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: IdempotencyConfig,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        clock: Clock = wall_clock_ms,
+    ) -> AsyncGuard:
+        """A guard over `async_store_from_config(cfg)`. Raises like `store_from_config`."""
+        from rabbit_delay.idempotency._factory import async_store_from_config
+
+        store = async_store_from_config(cfg, prefix=prefix)
+        return cls(store, lease_ms=cfg.lease, retention_ms=cfg.retention, clock=clock)
+
+    async def claim(self, key: str, owner: str) -> ClaimResult:
+        """See `Guard.claim`. Raises ValueError for an empty key."""
+        _check_key(key)
+        result = await self.store.claim(key, owner, now_ms=self.clock(), lease_ms=self.lease_ms)
+        self._count(result)
+        return result
+
+    async def done(self, key: str, owner: str) -> None:
+        await self.store.complete(key, owner, now_ms=self.clock(), retention_ms=self.retention_ms)
+
+    async def failed(self, key: str, owner: str) -> None:
+        await self.store.release(key, owner)
+
+    async def cancel(self, key: str, *, retention_ms: int | None = None) -> None:
+        """See `Guard.cancel`. Raises ValueError for an empty key or a bad retention."""
+        _check_key(key)
+        keep = self._tombstone_ms(retention_ms)
+        await self.store.cancel(key, now_ms=self.clock(), retention_ms=keep)
+
+    async def purge(self) -> int:
+        return await self.store.purge(now_ms=self.clock())

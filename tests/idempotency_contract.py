@@ -1,0 +1,223 @@
+"""The behaviour every idempotency store must have, run against each implementation.
+
+Not a test module itself: tests/unit/test_idempotency.py (memory, SQLite) and
+tests/integration/test_idempotency_redis.py (sync and async Redis) subclass
+`StoreContract` and provide `new_store`, a factory of `AsyncIdempotencyStore`s that
+share one backend (one SQLite file, one Redis server). Synchronous stores run through
+`SyncStoreAsAsync`, which calls them directly, so the contract exercises their own code.
+
+Times come from a fake clock (T0 + offsets), never from sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+
+import pytest
+
+from rabbit_delay.idempotency import AsyncIdempotencyStore, ClaimResult
+
+T0 = 1_700_000_000_000
+LEASE = 60_000
+RETENTION = 600_000
+
+NewStore = Callable[..., AsyncIdempotencyStore]  # new_store(prefix: str | None = None)
+
+CLAIMED = ClaimResult.CLAIMED
+DONE = ClaimResult.DONE
+IN_PROGRESS = ClaimResult.IN_PROGRESS
+CANCELLED = ClaimResult.CANCELLED
+
+
+def new_key() -> str:
+    return uuid.uuid4().hex
+
+
+class StoreContract:
+    # False for a backend that cannot be opened twice (MemoryStore): skips the tests of
+    # several stores on one backend.
+    shared_backend = True
+
+    @pytest.fixture
+    def store(self, new_store: NewStore) -> AsyncIdempotencyStore:
+        return new_store()
+
+    async def test_first_claim_runs_and_done_makes_every_copy_a_duplicate(
+        self, store: AsyncIdempotencyStore
+    ) -> None:
+        key = new_key()
+        assert await store.claim(key, "a", now_ms=T0, lease_ms=LEASE) is CLAIMED
+        await store.complete(key, "a", now_ms=T0 + 5, retention_ms=RETENTION)
+        assert await store.claim(key, "b", now_ms=T0 + 10, lease_ms=LEASE) is DONE
+        assert await store.claim(key, "a", now_ms=T0 + 10, lease_ms=LEASE) is DONE
+
+    async def test_keys_are_independent(self, store: AsyncIdempotencyStore) -> None:
+        k1, k2 = new_key(), new_key()
+        assert await store.claim(k1, "a", now_ms=T0, lease_ms=LEASE) is CLAIMED
+        assert await store.claim(k2, "b", now_ms=T0, lease_ms=LEASE) is CLAIMED
+
+    async def test_live_claim_of_another_owner_is_in_progress(
+        self, store: AsyncIdempotencyStore
+    ) -> None:
+        key = new_key()
+        assert await store.claim(key, "a", now_ms=T0, lease_ms=LEASE) is CLAIMED
+        assert await store.claim(key, "b", now_ms=T0 + 1, lease_ms=LEASE) is IN_PROGRESS
+        assert await store.claim(key, "b", now_ms=T0 + LEASE - 1, lease_ms=LEASE) is IN_PROGRESS
+
+    async def test_expired_lease_lets_a_new_owner_claim(self, store: AsyncIdempotencyStore) -> None:
+        key = new_key()
+        assert await store.claim(key, "crashed", now_ms=T0, lease_ms=LEASE) is CLAIMED
+        assert await store.claim(key, "b", now_ms=T0 + LEASE, lease_ms=LEASE) is CLAIMED
+        # The new owner now holds it; the old one is the stranger.
+        late = T0 + LEASE + 1
+        assert await store.claim(key, "crashed", now_ms=late, lease_ms=LEASE) is IN_PROGRESS
+        await store.release(key, "crashed")  # not the holder: no effect
+        assert await store.claim(key, "c", now_ms=T0 + LEASE + 2, lease_ms=LEASE) is IN_PROGRESS
+
+    async def test_reclaim_by_the_same_owner_is_reentrant_and_renews_the_lease(
+        self, store: AsyncIdempotencyStore
+    ) -> None:
+        key = new_key()
+        half = LEASE // 2
+        assert await store.claim(key, "a", now_ms=T0, lease_ms=LEASE) is CLAIMED
+        assert await store.claim(key, "a", now_ms=T0 + half, lease_ms=LEASE) is CLAIMED
+        # Past the first lease, within the renewed one.
+        assert await store.claim(key, "b", now_ms=T0 + LEASE + 1, lease_ms=LEASE) is IN_PROGRESS
+        assert await store.claim(key, "b", now_ms=T0 + half + LEASE, lease_ms=LEASE) is CLAIMED
+
+    async def test_release_after_failure_lets_the_retry_claim(
+        self, store: AsyncIdempotencyStore
+    ) -> None:
+        key = new_key()
+        assert await store.claim(key, "a", now_ms=T0, lease_ms=LEASE) is CLAIMED
+        await store.release(key, "a")
+        assert await store.claim(key, "retry", now_ms=T0 + 1, lease_ms=LEASE) is CLAIMED
+        assert await store.claim(key, "other", now_ms=T0 + 2, lease_ms=LEASE) is IN_PROGRESS
+
+    async def test_release_never_drops_a_done_record(self, store: AsyncIdempotencyStore) -> None:
+        key = new_key()
+        assert await store.claim(key, "a", now_ms=T0, lease_ms=LEASE) is CLAIMED
+        await store.complete(key, "a", now_ms=T0, retention_ms=RETENTION)
+        await store.release(key, "a")
+        assert await store.claim(key, "b", now_ms=T0 + 1, lease_ms=LEASE) is DONE
+
+    async def test_done_outlives_the_lease_until_retention_ends(
+        self, store: AsyncIdempotencyStore
+    ) -> None:
+        key = new_key()
+        assert await store.claim(key, "a", now_ms=T0, lease_ms=LEASE) is CLAIMED
+        await store.complete(key, "a", now_ms=T0, retention_ms=RETENTION)
+        assert await store.claim(key, "b", now_ms=T0 + RETENTION - 1, lease_ms=LEASE) is DONE
+        assert await store.claim(key, "b", now_ms=T0 + RETENTION, lease_ms=LEASE) is CLAIMED
+
+    async def test_complete_by_a_stale_owner_still_records_done(
+        self, store: AsyncIdempotencyStore
+    ) -> None:
+        # The handler did succeed, even if its lease ran out and another owner took it.
+        key = new_key()
+        assert await store.claim(key, "slow", now_ms=T0, lease_ms=LEASE) is CLAIMED
+        assert await store.claim(key, "b", now_ms=T0 + LEASE, lease_ms=LEASE) is CLAIMED
+        await store.complete(key, "slow", now_ms=T0 + LEASE + 1, retention_ms=RETENTION)
+        assert await store.claim(key, "c", now_ms=T0 + LEASE + 2, lease_ms=LEASE) is DONE
+        await store.release(key, "b")  # b's failure cannot undo the done-record
+        assert await store.claim(key, "c", now_ms=T0 + LEASE + 3, lease_ms=LEASE) is DONE
+
+    async def test_complete_on_a_live_done_record_changes_nothing(
+        self, store: AsyncIdempotencyStore
+    ) -> None:
+        # What makes the worker's complete() after an inbox mark_done harmless.
+        key = new_key()
+        await store.complete(key, "inbox", now_ms=T0, retention_ms=RETENTION)
+        await store.complete(key, "worker", now_ms=T0 + RETENTION // 2, retention_ms=RETENTION)
+        assert await store.claim(key, "b", now_ms=T0 + RETENTION - 1, lease_ms=LEASE) is DONE
+        assert await store.claim(key, "b", now_ms=T0 + RETENTION, lease_ms=LEASE) is CLAIMED
+
+    async def test_cancel_leaves_a_tombstone(self, store: AsyncIdempotencyStore) -> None:
+        key = new_key()
+        await store.cancel(key, now_ms=T0, retention_ms=RETENTION)
+        assert await store.claim(key, "a", now_ms=T0 + 1, lease_ms=LEASE) is CANCELLED
+        await store.complete(key, "a", now_ms=T0 + 2, retention_ms=RETENTION)
+        assert await store.claim(key, "a", now_ms=T0 + 3, lease_ms=LEASE) is CANCELLED
+        assert await store.claim(key, "a", now_ms=T0 + RETENTION, lease_ms=LEASE) is CLAIMED
+
+    async def test_cancel_overrides_a_claim_in_progress(self, store: AsyncIdempotencyStore) -> None:
+        key = new_key()
+        assert await store.claim(key, "a", now_ms=T0, lease_ms=LEASE) is CLAIMED
+        await store.cancel(key, now_ms=T0 + 1, retention_ms=RETENTION)
+        assert await store.claim(key, "b", now_ms=T0 + 2, lease_ms=LEASE) is CANCELLED
+        await store.release(key, "a")
+        await store.complete(key, "a", now_ms=T0 + 3, retention_ms=RETENTION)
+        assert await store.claim(key, "b", now_ms=T0 + 4, lease_ms=LEASE) is CANCELLED
+
+    async def test_cancel_overrides_a_done_record(self, store: AsyncIdempotencyStore) -> None:
+        key = new_key()
+        await store.complete(key, "a", now_ms=T0, retention_ms=RETENTION)
+        await store.cancel(key, now_ms=T0 + 1, retention_ms=RETENTION)
+        assert await store.claim(key, "b", now_ms=T0 + 2, lease_ms=LEASE) is CANCELLED
+
+    async def test_a_second_cancel_never_shortens_the_tombstone(
+        self, store: AsyncIdempotencyStore
+    ) -> None:
+        key = new_key()
+        await store.cancel(key, now_ms=T0, retention_ms=2 * RETENTION)
+        await store.cancel(key, now_ms=T0 + 1, retention_ms=RETENTION)
+        assert await store.claim(key, "a", now_ms=T0 + RETENTION + 2, lease_ms=LEASE) is CANCELLED
+        assert await store.claim(key, "a", now_ms=T0 + 2 * RETENTION, lease_ms=LEASE) is CLAIMED
+
+    async def test_purge_deletes_exactly_the_expired_records(
+        self, store: AsyncIdempotencyStore
+    ) -> None:
+        done, tomb, claim, live_done, live_claim = (new_key() for _ in range(5))
+        await store.complete(done, "a", now_ms=T0, retention_ms=RETENTION)
+        await store.cancel(tomb, now_ms=T0, retention_ms=RETENTION)
+        assert await store.claim(claim, "a", now_ms=T0, lease_ms=LEASE) is CLAIMED
+        later = T0 + RETENTION
+        await store.complete(live_done, "a", now_ms=later, retention_ms=RETENTION)
+        assert await store.claim(live_claim, "a", now_ms=later, lease_ms=LEASE) is CLAIMED
+
+        assert await store.purge(now_ms=later - 1) == 1  # only the claim's lease is over
+        assert await store.purge(now_ms=later) == 2
+        assert await store.purge(now_ms=later) == 0
+        assert await store.claim(live_done, "b", now_ms=later + 1, lease_ms=LEASE) is DONE
+        assert await store.claim(live_claim, "b", now_ms=later + 1, lease_ms=LEASE) is IN_PROGRESS
+        assert await store.claim(done, "b", now_ms=later + 1, lease_ms=LEASE) is CLAIMED
+
+    async def test_prefixes_separate_namespaces(self, new_store: NewStore) -> None:
+        if not self.shared_backend:
+            pytest.skip("each store of this kind is its own backend")
+        tag = uuid.uuid4().hex[:8]
+        one, two = new_store(prefix=f"one-{tag}:"), new_store(prefix=f"two-{tag}:")
+        key = new_key()
+        assert await one.claim(key, "a", now_ms=T0, lease_ms=LEASE) is CLAIMED
+        await one.complete(key, "a", now_ms=T0, retention_ms=RETENTION)
+        assert await two.claim(key, "b", now_ms=T0, lease_ms=LEASE) is CLAIMED
+        assert await one.claim(key, "b", now_ms=T0, lease_ms=LEASE) is DONE
+
+    async def test_two_stores_on_one_backend_share_claims(self, new_store: NewStore) -> None:
+        if not self.shared_backend:
+            pytest.skip("each store of this kind is its own backend")
+        prefix = f"shared-{uuid.uuid4().hex[:8]}:"
+        one, two = new_store(prefix=prefix), new_store(prefix=prefix)
+        key = new_key()
+        assert await one.claim(key, "a", now_ms=T0, lease_ms=LEASE) is CLAIMED
+        assert await two.claim(key, "b", now_ms=T0, lease_ms=LEASE) is IN_PROGRESS
+        await one.complete(key, "a", now_ms=T0, retention_ms=RETENTION)
+        assert await two.claim(key, "b", now_ms=T0, lease_ms=LEASE) is DONE
+
+    async def test_concurrent_claims_have_one_winner(self, store: AsyncIdempotencyStore) -> None:
+        key = new_key()
+        results = await asyncio.gather(
+            *(store.claim(key, f"owner-{i}", now_ms=T0, lease_ms=LEASE) for i in range(8))
+        )
+        assert sorted(results) == sorted([CLAIMED] + [IN_PROGRESS] * 7)
+
+    async def test_owner_and_key_may_contain_separators(self, store: AsyncIdempotencyStore) -> None:
+        key = f"order|42|{new_key()}:é"
+        owner = "host:1|pid 7|\n"
+        assert await store.claim(key, owner, now_ms=T0, lease_ms=LEASE) is CLAIMED
+        assert await store.claim(key, owner, now_ms=T0 + 1, lease_ms=LEASE) is CLAIMED
+        assert await store.claim(key, owner + "x", now_ms=T0 + 1, lease_ms=LEASE) is IN_PROGRESS
+        await store.release(key, owner)
+        assert await store.claim(key, "b", now_ms=T0 + 2, lease_ms=LEASE) is CLAIMED

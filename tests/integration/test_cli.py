@@ -1,0 +1,413 @@
+"""The `rabbit-delay` command line: plan, declare, publish, on the real broker.
+
+Most commands run in-process through typer's CliRunner (stdout and stderr apart); the
+help screens and one password check run the installed console script.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pika
+import pytest
+from typer.testing import CliRunner, Result
+
+from rabbit_delay.cli._app import app, load_commands
+from rabbit_delay.topology import Topology
+from rabbit_delay.urls import MANAGEMENT_URL_ENV, URL_ENV, ManagementEndpoint
+
+from ._publishers import broker_state, delete_queue, queue_info, wait_until
+
+pytestmark = pytest.mark.integration
+
+_INSTALLED = Path(sys.executable).with_name("rabbit-delay")
+# the console script installed beside this interpreter (pip install -e .)
+SCRIPT = (
+    [str(_INSTALLED)]
+    if _INSTALLED.exists()
+    else [sys.executable, "-c", "from rabbit_delay.cli import main; main()"]
+)
+UNREACHABLE_MGMT = "http://127.0.0.1:1"
+BAD_URL = "amqp://user:s3cret@127.0.0.1:1/"
+
+load_commands()
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (URL_ENV, MANAGEMENT_URL_ENV, "RABBIT_DELAY_TOPOLOGY"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def cli(*args: str, stdin: str | None = None, env: dict[str, str] | None = None) -> Result:
+    result = CliRunner().invoke(app, list(args), input=stdin, env=env)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result
+
+
+def toml_for(topology: Topology) -> str:
+    """The conftest default topology (tiers 1s, 3s; orders.cancel and push) as TOML."""
+    return (
+        f'namespace = "{topology.namespace}"\n'
+        f'queue_type = "{topology.queue_type.value}"\n'
+        '[tiers]\n1s = "1s"\n3s = "3s"\n'
+        '[queues."orders.cancel"]\n'
+        '[queues.push]\nbindings = ["push.any"]\n'
+    )
+
+
+@pytest.fixture
+def topo(make_topology: Any, tmp_path: Path) -> tuple[Topology, Path]:
+    """A topology in a unique namespace (deleted afterwards) and its TOML file."""
+    topology: Topology = make_topology()
+    path = tmp_path / "topology.toml"
+    path.write_text(toml_for(topology), encoding="utf-8")
+    return topology, path
+
+
+# -- help ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command", [[], ["plan"], ["declare"], ["publish"]], ids=["main", "plan", "declare", "publish"]
+)
+def test_help_of_each_command(command: list[str]) -> None:
+    done = subprocess.run(
+        [*SCRIPT, *command, "--help"], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Usage" in done.stdout
+    if command:
+        assert "--url" in done.stdout
+    else:
+        for name in ("plan", "declare", "publish"):
+            assert name in done.stdout
+
+
+# -- plan -----------------------------------------------------------------------------------
+
+
+def test_plan_exit_codes(topo: tuple[Topology, Path], tmp_path: Path) -> None:
+    _topology, path = topo
+    assert cli("plan", str(path)).exit_code == 2  # everything pending
+    assert cli("declare", str(path)).exit_code == 0
+    assert cli("plan", str(path)).exit_code == 0  # in sync
+    assert cli("plan", str(path), "--no-management").exit_code == 0
+    bad = tmp_path / "bad.toml"
+    bad.write_text('namespace = "x"\ncolour = 1\n', encoding="utf-8")
+    assert cli("plan", str(bad)).exit_code == 1  # error: bad file
+    assert cli("plan", str(path), "--url", BAD_URL).exit_code == 1  # error: no broker
+
+
+def test_plan_json_parses(topo: tuple[Topology, Path]) -> None:
+    topology, path = topo
+    result = cli("plan", str(path), "--json")
+    assert result.exit_code == 2
+    data = json.loads(result.stdout)
+    assert data["in_sync"] is False
+    assert data["source"] == "management API"
+    assert len(data["items"]) == 12 + 8
+    assert {i["action"] for i in data["items"]} == {"create"}
+    assert {(i["kind"], i["name"]) for i in data["items"] if i["kind"] == "queue"} >= {
+        ("queue", topology.names.tier_queue("1s")),
+        ("queue", topology.names.business_queue("push")),
+    }
+
+    cli("declare", str(path))
+    after = json.loads(cli("plan", str(path), "--json").stdout)
+    assert after["in_sync"] is True
+    assert {i["action"] for i in after["items"]} == {"in place"}
+
+
+def test_plan_reports_a_conflict_as_pending(topo: tuple[Topology, Path], broker_url: str) -> None:
+    topology, path = topo
+    precreate_conflicting_buffer(broker_url, topology)
+    result = cli("plan", str(path), "--json")
+    assert result.exit_code == 2
+    items = {(i["kind"], i["name"]): i for i in json.loads(result.stdout)["items"]}
+    conflict = items[("queue", topology.names.tier_queue("1s"))]
+    assert conflict["action"] == "conflict"
+    assert conflict["conflicts"] == [
+        {"argument": "x-message-ttl", "on_broker": 5000, "wanted": 1000}
+    ]
+    delete_queue(broker_url, topology.names.tier_queue("1s"))
+
+
+# -- declare --------------------------------------------------------------------------------
+
+
+def test_declare_twice_second_has_nothing_to_do(
+    topo: tuple[Topology, Path], management: ManagementEndpoint
+) -> None:
+    topology, path = topo
+    first = cli("declare", str(path))
+    assert first.exit_code == 0, first.stderr
+    assert "object(s) created" in first.stdout
+    state = broker_state(management, topology.names.prefix + ".")
+    assert len(state.queues) == 7
+    assert len(state.exchanges) == 5
+    assert len(state.bindings) == 8
+
+    second = cli("declare", str(path))
+    assert second.exit_code == 0
+    assert "nothing to do" in second.stdout
+    assert broker_state(management, topology.names.prefix + ".") == state
+
+    as_json = cli("declare", str(path), "--json")
+    assert as_json.exit_code == 0
+    data = json.loads(as_json.stdout)
+    assert data == {"ok": True, "changed": False, "items": data["items"]}
+    assert {i["action"] for i in data["items"]} == {"in place"}
+
+
+def precreate_conflicting_buffer(url: str, topology: Topology) -> dict[str, Any]:
+    arguments: dict[str, Any] = {
+        "x-queue-type": "quorum",
+        "x-dead-letter-strategy": "at-least-once",
+        "x-overflow": "reject-publish",
+        "x-dead-letter-exchange": topology.names.due_exchange(),
+        "x-message-ttl": 5000,
+    }
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        connection.channel().queue_declare(
+            topology.names.tier_queue("1s"), durable=True, arguments=arguments
+        )
+    finally:
+        connection.close()
+    return arguments
+
+
+@pytest.mark.parametrize(
+    "extra", [[], ["--no-management"], ["--json"]], ids=["management", "passive", "json"]
+)
+def test_declare_conflict_exits_1_and_creates_nothing(
+    topo: tuple[Topology, Path], broker_url: str, management: ManagementEndpoint, extra: list[str]
+) -> None:
+    topology, path = topo
+    buffer = topology.names.tier_queue("1s")
+    arguments = precreate_conflicting_buffer(broker_url, topology)
+
+    result = cli("declare", str(path), *extra)
+
+    assert result.exit_code == 1
+    assert f"queue '{buffer}': argument 'x-message-ttl' is 5000 on the broker" in result.stderr
+    assert "the topology wants 1000" in result.stderr
+    assert "Nothing was changed" in result.stderr
+    if "--json" in extra:
+        assert json.loads(result.stdout)["ok"] is False
+    state = broker_state(management, topology.names.prefix + ".")
+    assert state.names == {buffer}
+    assert not state.exchanges
+    assert not state.bindings
+    assert queue_info(management, buffer)["arguments"] == arguments
+    delete_queue(broker_url, buffer)
+
+
+def test_management_unreachable_falls_back_to_passive_declares(
+    topo: tuple[Topology, Path], management: ManagementEndpoint
+) -> None:
+    topology, path = topo
+    plan = cli("plan", str(path), "--management-url", UNREACHABLE_MGMT, "--json")
+    assert plan.exit_code == 2
+    data = json.loads(plan.stdout)
+    assert data["source"].startswith("passive declares")
+    assert {i["action"] for i in data["items"] if i["kind"] != "binding"} == {"create"}
+
+    declared = cli("declare", str(path), "--management-url", UNREACHABLE_MGMT)
+    assert declared.exit_code == 0, declared.stderr
+    state = broker_state(management, topology.names.prefix + ".")
+    assert len(state.queues) == 7
+    assert len(state.exchanges) == 5
+    assert len(state.bindings) == 8
+
+    again = cli("declare", str(path), "--management-url", UNREACHABLE_MGMT)
+    assert again.exit_code == 0
+    assert "nothing to do" in again.stdout
+    in_sync = cli("plan", str(path), "--management-url", UNREACHABLE_MGMT)
+    assert in_sync.exit_code == 0
+
+
+# -- publish --------------------------------------------------------------------------------
+
+
+def test_publish_one_message_that_arrives(topo: tuple[Topology, Path], broker_url: str) -> None:
+    topology, path = topo
+    assert cli("declare", str(path)).exit_code == 0
+    result = cli(
+        "publish",
+        '{"order_id": 42}',
+        "-q",
+        "orders.cancel",
+        "-t",
+        "1s",
+        "-f",
+        str(path),
+        "--message-id",
+        "cli-1",
+        "--json",
+    )
+    assert result.exit_code == 0, result.stderr
+    sent = json.loads(result.stdout)
+    assert sent["message_id"] == "cli-1"
+    assert sent["tier"] == "1s"
+    assert sent["exchange"] == topology.names.tier_exchange("1s")
+
+    by_stdin = cli(
+        "publish",
+        "-",
+        "--routing-key",
+        "push.any",
+        "--delay",
+        "1s",
+        "-f",
+        str(path),
+        stdin="[1, 2]",
+    )
+    assert by_stdin.exit_code == 0, by_stdin.stderr
+    assert "published" in by_stdin.stdout
+
+    connection = pika.BlockingConnection(pika.URLParameters(broker_url))
+    try:
+        channel = connection.channel()
+
+        def get(queue: str) -> Any:
+            method, properties, body = channel.basic_get(queue, auto_ack=True)
+            return (properties, body) if method is not None else None
+
+        properties, body = wait_until(
+            lambda: get(topology.names.business_queue("orders.cancel")), 1 + 5, "the CLI message"
+        )
+        assert json.loads(body) == {"order_id": 42}
+        assert properties.message_id == "cli-1"
+        assert properties.headers["rd-tier"] == "1s"
+        _props, body = wait_until(
+            lambda: get(topology.names.business_queue("push")), 5, "the stdin message"
+        )
+        assert json.loads(body) == [1, 2]
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["not json", "-q", "push", "-t", "1s"], "MESSAGE is not valid JSON"),
+        (["42", "-q", "push", "-t", "1s"], "MESSAGE must be a JSON object or array"),
+        (["{}", "-q", "nope", "-t", "1s"], "unknown queue 'nope'"),
+        (["{}", "-q", "push", "-t", "9s"], "unknown tier '9s'"),
+        (["{}", "-q", "push", "-d", "2s"], "no tier has a delay of 2s"),
+        (["{}", "-q", "push", "-d", "[bold]soon"], "'[bold]soon' is not a duration"),
+        (["{}", "-q", "push", "-d", "-1s"], "negative"),
+    ],
+)
+def test_publish_refuses_bad_input(
+    topo: tuple[Topology, Path], broker_url: str, args: list[str], message: str
+) -> None:
+    topology, path = topo
+    assert cli("declare", str(path)).exit_code == 0
+    result = cli("publish", *args, "-f", str(path))
+    assert result.exit_code == 1
+    assert message in result.stderr
+    for tier in ("1s", "3s"):
+        assert queue_info_count(broker_url, topology.names.tier_queue(tier)) == 0
+
+
+def queue_info_count(url: str, queue: str) -> int:
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        count: int = connection.channel().queue_declare(queue, passive=True).method.message_count
+        return count
+    finally:
+        connection.close()
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+def test_bad_topology_file_names_the_file_and_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "shop.toml"
+    path.write_text(
+        'namespace = "shop"\n[tiers]\n1s = "1s"\n'
+        "[queues.push]\n[queues.push.retry]\nmax_attempt = 3\n",
+        encoding="utf-8",
+    )
+    for command in ("plan", "declare"):
+        result = cli(command, str(path))
+        assert result.exit_code == 1
+        assert str(path) in result.stderr
+        assert "queues.push.retry.max_attempt: unknown key 'max_attempt'" in result.stderr
+        assert "max_attempts" in result.stderr
+        assert result.stdout == ""
+    published = cli("publish", "{}", "-q", "push", "-t", "1s", "-f", str(path))
+    assert published.exit_code == 1
+    assert str(path) in published.stderr
+
+    missing = cli("plan", str(tmp_path / "nope.toml"))
+    assert missing.exit_code == 1
+    assert "nope.toml: cannot read topology file" in missing.stderr
+    broken = tmp_path / "broken.toml"
+    broken.write_text("namespace = \n", encoding="utf-8")
+    result = cli("declare", str(broken))
+    assert result.exit_code == 1
+    assert f"{broken}: not valid TOML" in result.stderr
+
+
+GOOD_URL = "amqp://guest:guest@127.0.0.1:5672/"
+
+
+@pytest.mark.parametrize(
+    ("url", "secret", "code"),
+    [
+        (GOOD_URL, ":guest@", None),
+        (BAD_URL, "s3cret", 1),
+        ("amqp://user:s3cret@127.0.0.1:notaport/", "s3cret", 1),
+        ("amqp://user:p%40ss-s3cret@127.0.0.1:1/", "s3cret", 1),
+        ("amqp://guest:s3cret@127.0.0.1:5672/", "s3cret", 1),  # refused login
+    ],
+    ids=["good", "unreachable", "malformed", "encoded", "refused"],
+)
+def test_password_in_url_never_printed(
+    topo: tuple[Topology, Path], url: str, secret: str, code: int | None
+) -> None:
+    _topology, path = topo
+    runs = [
+        ("plan", str(path), "--url", url),
+        ("plan", str(path), "--url", url, "--json"),
+        ("declare", str(path), "--url", url),
+        ("declare", str(path), "--url", url, "--json"),
+        ("publish", "{}", "-q", "push", "-t", "1s", "-f", str(path), "--url", url),
+        ("publish", "{}", "-q", "push", "-t", "1s", "-f", str(path), "--url", url, "--json"),
+    ]
+    for args in runs:
+        result = cli(*args)
+        if code is not None:
+            assert result.exit_code == code, (args, result.stdout, result.stderr)
+        else:
+            assert result.exit_code in (0, 2), (args, result.stderr)
+        assert secret not in result.stdout, args
+        assert secret not in result.stderr, args
+    # and by environment variable
+    result = cli("plan", str(path), env={URL_ENV: url})
+    assert secret not in result.stdout
+    assert secret not in result.stderr
+
+
+def test_password_never_printed_by_the_installed_script(topo: tuple[Topology, Path]) -> None:
+    _topology, path = topo
+    for args in (["plan", str(path), "--url", BAD_URL], ["declare", str(path), "--url", GOOD_URL]):
+        done = subprocess.run(
+            [*SCRIPT, *args, "--management-url", UNREACHABLE_MGMT],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert "s3cret" not in done.stdout + done.stderr
+        assert ":guest@" not in done.stdout + done.stderr
+    assert done.returncode == 0, done.stderr

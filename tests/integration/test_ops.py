@@ -1,0 +1,443 @@
+"""`rabbit-delay status` and `rabbit-delay replay` on the real broker.
+
+Parked messages are put in place the way the worker does it: published to the parking
+exchange with the queue's key and the parking headers. Counts are read with passive
+declares (live; the management API's figures are sampled every few seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pika
+import pytest
+from conftest import MakeTopology, wait_for
+from typer.testing import CliRunner, Result
+
+from rabbit_delay import names as h
+from rabbit_delay.cli._app import app, load_commands
+from rabbit_delay.cli.ops import EXIT_ATTENTION
+from rabbit_delay.message import JSON
+from rabbit_delay.sync import Publisher, declare
+from rabbit_delay.topology import Topology
+from rabbit_delay.urls import MANAGEMENT_URL_ENV, URL_ENV
+
+pytestmark = pytest.mark.integration
+
+UNREACHABLE_MGMT = "http://127.0.0.1:1"
+SECRET = "s3cret-pw"
+
+load_commands()
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (URL_ENV, MANAGEMENT_URL_ENV, "RABBIT_DELAY_TOPOLOGY"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def cli(*args: str) -> Result:
+    result = CliRunner().invoke(app, list(args))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result
+
+
+class Ops:
+    """A declared topology, its TOML file, and a connection to look at the queues."""
+
+    def __init__(self, topology: Topology, path: Path, url: str) -> None:
+        self.topology = topology
+        self.names = topology.names
+        self.path = path
+        self.url = url
+        self.conn = pika.BlockingConnection(pika.URLParameters(url))
+        declare(self.conn, topology)
+
+    def run(self, *args: str) -> Result:
+        return cli(*args, str(self.path), "--url", self.url)
+
+    def count(self, queue: str) -> int:
+        frame = self.conn.channel().queue_declare(queue, passive=True)
+        return frame.method.message_count or 0
+
+    def park(self, queue: str, n: int, prefix: str = "p") -> list[str]:
+        """Put `n` failed messages into `queue`'s parking lot, as the worker would."""
+        channel = self.conn.channel()
+        channel.confirm_delivery()
+        ids = []
+        for i in range(n):
+            message_id = f"{prefix}{i}"
+            headers: dict[str, Any] = {
+                h.H_ATTEMPT: 3,
+                h.H_TIER: "1s",
+                h.H_DUE_AT: 1_700_000_000_000,
+                h.H_DELAY_MS: 1000,
+                h.H_TARGET: self.names.queue_key(queue),
+                h.H_ERROR_TYPE: "ValueError",
+                h.H_ERROR_MESSAGE: f"boom {i}",
+                h.H_ERROR_TRACEBACK: "Traceback (most recent call last): ...",
+                h.H_ORIGINAL_QUEUE: queue,
+                h.H_FIRST_FAILURE: 1_700_000_001_000,
+                h.H_LAST_FAILURE: 1_700_000_002_000,
+                h.H_PARK_REASON: "max_attempts",
+                "x-first-death-queue": self.names.business_queue(queue),
+                "tenant": "acme",
+            }
+            props = pika.BasicProperties(
+                message_id=message_id, content_type=JSON, delivery_mode=2, headers=headers
+            )
+            channel.basic_publish(
+                self.names.parking_exchange(),
+                self.names.queue_key(queue),
+                json.dumps({"n": i}).encode(),
+                props,
+                mandatory=True,
+            )
+            ids.append(message_id)
+        channel.close()
+        return ids
+
+    def drain(self, queue: str) -> list[tuple[pika.spec.BasicProperties, bytes]]:
+        channel = self.conn.channel()
+        got: list[tuple[pika.spec.BasicProperties, bytes]] = []
+        while True:
+            method, props, body = channel.basic_get(queue, auto_ack=True)
+            if method is None:
+                break
+            assert props is not None
+            assert isinstance(body, bytes)
+            got.append((props, body))
+        channel.close()
+        return got
+
+    def close(self) -> None:
+        if self.conn.is_open:
+            self.conn.close()
+
+
+def toml_for(topology: Topology) -> str:
+    return (
+        f'namespace = "{topology.namespace}"\n'
+        '[tiers]\n1s = "1s"\n3s = "3s"\n'
+        '[queues."orders.cancel"]\n'
+        '[queues.push]\nbindings = ["push.any"]\n'
+    )
+
+
+@pytest.fixture
+def ops(make_topology: MakeTopology, tmp_path: Path, broker_url: str) -> Iterator[Ops]:
+    topology = make_topology()
+    path = tmp_path / "topology.toml"
+    path.write_text(toml_for(topology), encoding="utf-8")
+    handle = Ops(topology, path, broker_url)
+    yield handle
+    handle.close()
+
+
+def rows_by_name(result: Result) -> dict[str, dict[str, Any]]:
+    data = json.loads(result.stdout)
+    return {row["name"]: row for row in data["queues"]}
+
+
+# -- status -----------------------------------------------------------------------------
+
+
+def test_status_counts_and_flags(ops: Ops, broker_url: str) -> None:
+    n = ops.names
+    clean = ops.run("status", "--check")
+    assert clean.exit_code == 0, clean.stderr
+    assert "nothing needs attention" in clean.stdout
+
+    with Publisher(ops.topology, broker_url) as publisher:
+        publisher.publish_many([{"i": 1}, {"i": 2}], "3s", queue="push")
+    ops.park("orders.cancel", 2)
+    channel = ops.conn.channel()  # a due message that matches no queue: to the catch-all
+    channel.basic_publish(n.due_exchange(), "nowhere", b"{}")
+    channel.close()
+
+    for extra in ([], ["--management-url", UNREACHABLE_MGMT]):
+        result = ops.run("status", "--json", *extra)
+        assert result.exit_code == 0, result.stderr
+        rows = rows_by_name(result)
+        assert len(rows) == 7
+        buffer = rows[n.tier_queue("3s")]
+        assert (buffer["role"], buffer["ttl_ms"], buffer["ready"]) == ("tier buffer", 3000, 2)
+        assert buffer["consumers"] == 0
+        assert buffer["attention"] is False
+        parking = rows[n.parking_queue("orders.cancel")]
+        assert (parking["ready"], parking["attention"]) == (2, True)
+        assert rows[n.unroutable_queue()]["ready"] == 1
+        assert rows[n.unroutable_queue()]["attention"] is True
+        assert rows[n.parking_queue("push")]["attention"] is False
+        assert rows[n.business_queue("push")]["ready"] == 0
+        assert all(row["exists"] for row in rows.values())
+        data = json.loads(result.stdout)
+        assert data["attention"] is True
+        if extra:  # management API down: live counts still there, unacked unknown
+            assert data["sources"]["unacked"] is None
+            assert all(row["unacked"] is None for row in rows.values())
+        checked = ops.run("status", "--check", *extra)
+        assert checked.exit_code == EXIT_ATTENTION
+        assert "needs attention" in checked.stdout
+        assert n.parking_queue("orders.cancel") in checked.stdout
+
+
+def test_status_flags_a_consumer_on_a_buffer(ops: Ops) -> None:
+    buffer = ops.names.tier_queue("1s")
+    channel = ops.conn.channel()
+    channel.basic_consume(buffer, lambda *_: None)
+    try:
+        result = ops.run("status", "--json", "--no-management")
+        row = rows_by_name(result)[buffer]
+        assert row["consumers"] == 1
+        assert row["attention"] is True
+        assert any("BUG" in note for note in row["notes"])
+        assert ops.run("status", "--check", "--no-management").exit_code == EXIT_ATTENTION
+    finally:
+        channel.close()
+
+
+def test_status_missing_queue_and_no_password_in_output(ops: Ops, broker_url: str) -> None:
+    channel = ops.conn.channel()
+    channel.queue_delete(ops.names.parking_queue("push"))
+    channel.close()
+    mgmt = f"http://guest:{SECRET}@127.0.0.1:1"
+    result = cli("status", str(ops.path), "--url", broker_url, "--management-url", mgmt)
+    assert result.exit_code == 0
+    assert "missing" in result.stdout
+    assert SECRET not in result.stdout + result.stderr
+    assert "guest:guest@" not in result.stdout
+    assert "guest:***@" in result.stdout
+
+    bad = f"amqp://guest:{SECRET}@127.0.0.1:1/"
+    down = cli("status", str(ops.path), "--url", bad, "--management-url", UNREACHABLE_MGMT)
+    assert down.exit_code == 1
+    assert SECRET not in down.stdout + down.stderr
+    assert "guest:***@127.0.0.1:1" in down.stderr
+
+
+# -- replay -----------------------------------------------------------------------------
+
+
+def test_replay_moves_parked_messages_back_as_first_attempts(ops: Ops) -> None:
+    n = ops.names
+    ids = ops.park("orders.cancel", 3)
+    result = ops.run("replay", "orders.cancel", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] is True
+    assert report["moved"] == 3
+    assert ops.count(n.parking_queue("orders.cancel")) == 0
+
+    wait_for(lambda: ops.count(n.business_queue("orders.cancel")) == 3, timeout=5)
+    got = ops.drain(n.business_queue("orders.cancel"))
+    assert [p.message_id for p, _ in got] == ids
+    assert [json.loads(body) for _, body in got] == [{"n": 0}, {"n": 1}, {"n": 2}]
+    for props, _ in got:
+        headers = props.headers or {}
+        assert props.content_type == JSON
+        assert headers[h.H_ATTEMPT] == 1
+        assert headers["tenant"] == "acme"
+        assert headers[h.H_TIER] == "now"
+        assert headers[h.H_TARGET] == n.queue_key("orders.cancel")
+        for gone in (
+            h.H_ERROR_TYPE,
+            h.H_ERROR_MESSAGE,
+            h.H_ERROR_TRACEBACK,
+            h.H_ORIGINAL_QUEUE,
+            h.H_FIRST_FAILURE,
+            h.H_LAST_FAILURE,
+            h.H_PARK_REASON,
+            "x-death",
+            "x-first-death-queue",
+        ):
+            assert gone not in headers
+    # Nothing went astray.
+    assert ops.count(n.unroutable_queue()) == 0
+    assert ops.count(n.business_queue("push")) == 0
+
+
+def test_replay_limit(ops: Ops) -> None:
+    n = ops.names
+    ops.park("push", 3)
+    result = ops.run("replay", "push", "--limit", "2")
+    assert result.exit_code == 0, result.stderr
+    assert "moved 2 message(s)" in result.stdout
+    assert ops.count(n.parking_queue("push")) == 1
+    wait_for(lambda: ops.count(n.business_queue("push")) == 2, timeout=5)
+    assert [p.message_id for p, _ in ops.drain(n.business_queue("push"))] == ["p0", "p1"]
+
+
+def test_dry_run_changes_nothing(ops: Ops) -> None:
+    n = ops.names
+    ops.park("orders.cancel", 2)
+    lot, business = n.parking_queue("orders.cancel"), n.business_queue("orders.cancel")
+    before = (ops.count(lot), ops.count(business))
+    assert before == (2, 0)
+    for extra, via in (([], "management API"), (["--no-management"], "basic.get")):
+        result = ops.run("replay", "orders.cancel", "--dry-run", "--json", *extra)
+        assert result.exit_code == 0, result.stderr
+        data = json.loads(result.stdout)
+        assert data["via"].startswith(via)
+        assert data["would_move"] == 2
+        listed = data["messages"]
+        assert [m["message_id"] for m in listed] == ["p0", "p1"]
+        assert [m["error_message"] for m in listed] == ["boom 0", "boom 1"]
+        assert {(m["error_type"], m["attempts"], m["park_reason"]) for m in listed} == {
+            ("ValueError", 3, "max_attempts")
+        }
+        assert listed[0]["parked_at"] == "2023-11-14T22:13:22.000+00:00"
+        wait_for(lambda: (ops.count(lot), ops.count(business)) == before, timeout=5)
+    table = ops.run("replay", "orders.cancel", "--dry-run")
+    assert "would move 2 message(s); nothing was changed" in table.stdout
+    wait_for(lambda: (ops.count(lot), ops.count(business)) == before, timeout=5)
+    # Still in order after being looked at.
+    assert ops.run("replay", "orders.cancel").exit_code == 0
+    got = ops.drain(business)
+    assert [p.message_id for p, _ in got] == ["p0", "p1"]
+
+
+def test_replay_through_a_tier_arrives_a_tier_later(ops: Ops) -> None:
+    n = ops.names
+    ops.park("orders.cancel", 1)
+    business = n.business_queue("orders.cancel")
+    started = time.monotonic()
+    result = ops.run("replay", "orders.cancel", "--tier", "1s")
+    assert result.exit_code == 0, result.stderr
+    assert ops.count(business) == 0  # waiting in the buffer
+    assert ops.count(n.tier_queue("1s")) == 1
+    wait_for(lambda: ops.count(business) == 1, timeout=5, interval=0.02)
+    elapsed = time.monotonic() - started
+    assert 0.9 <= elapsed < 4.0
+    (props, _), = ops.drain(business)
+    headers = props.headers or {}
+    assert (headers[h.H_TIER], headers[h.H_DELAY_MS], headers[h.H_ATTEMPT]) == ("1s", 1000, 1)
+
+
+def test_replay_refuses_a_tier_the_queue_does_not_have(ops: Ops) -> None:
+    ops.park("push", 1)
+    result = ops.run("replay", "push", "--tier", "9s")
+    assert result.exit_code == 1
+    assert "unknown tier '9s'" in result.stderr
+    assert ops.count(ops.names.parking_queue("push")) == 1
+
+
+def test_replay_without_the_business_queue_fails_and_keeps_the_message(ops: Ops) -> None:
+    n = ops.names
+    ops.park("push", 1)
+    channel = ops.conn.channel()
+    channel.queue_delete(n.business_queue("push"))
+    channel.close()
+    for extra in ([], ["--dry-run"]):
+        result = ops.run("replay", "push", *extra)
+        assert result.exit_code == 1
+        assert f"business queue '{n.business_queue('push')}' does not exist" in result.stderr
+        assert "rabbit-delay declare" in result.stderr
+        assert ops.count(n.parking_queue("push")) == 1
+        assert ops.count(n.unroutable_queue()) == 0
+
+
+def test_replay_unroutable_reroutes_known_targets_and_leaves_the_rest(ops: Ops) -> None:
+    n = ops.names
+    channel = ops.conn.channel()
+    channel.confirm_delivery()
+    for message_id, target in (("u1", n.queue_key("orders.cancel")), ("u2", "gone.key")):
+        props = pika.BasicProperties(
+            message_id=message_id, headers={h.H_TARGET: target, h.H_ATTEMPT: 2}
+        )
+        channel.basic_publish(n.due_exchange(), target + ".unbound", b"{}", props)
+    channel.close()
+    assert ops.count(n.unroutable_queue()) == 2
+
+    preview = json.loads(ops.run("replay", "--unroutable", "--dry-run", "--json").stdout)
+    actions = {m["message_id"]: m["action"] for m in preview["messages"]}
+    assert actions["u1"] == f"{n.due_exchange()} [{n.queue_key('orders.cancel')}]"
+    assert actions["u2"].startswith("left: target 'gone.key' is not in the topology")
+
+    result = ops.run("replay", "--unroutable")
+    assert result.exit_code == 0, result.stderr
+    assert "moved 1 message(s)" in result.stdout
+    assert "u2: target 'gone.key'" in result.stderr
+    assert ops.count(n.unroutable_queue()) == 1
+    wait_for(lambda: ops.count(n.business_queue("orders.cancel")) == 1, timeout=5)
+    (props, _), = ops.drain(n.business_queue("orders.cancel"))
+    assert props.message_id == "u1"
+    assert (props.headers or {})[h.H_ATTEMPT] == 2  # never handled: attempt kept
+
+
+def test_replay_needs_a_queue_or_unroutable(ops: Ops) -> None:
+    result = ops.run("replay")
+    assert result.exit_code == 1
+    assert "--unroutable" in result.stderr
+    both = ops.run("replay", "push", "--tier", "1s", "--now")
+    assert both.exit_code == 1
+
+
+def test_messages_dead_lettered_by_the_broker(ops: Ops, broker_url: str) -> None:
+    """Rejected by a worker without a rd-error header: parked by the broker (x-death)."""
+    n = ops.names
+    with Publisher(ops.topology, broker_url) as publisher:
+        direct = publisher.publish_delayed({"k": 1}, "1s", queue="push", message_id="d1")
+        shared = publisher.publish_delayed({"k": 2}, "1s", routing_key="push.any", message_id="d2")
+    business = n.business_queue("push")
+    wait_for(lambda: ops.count(business) == 2, timeout=5)
+    channel = ops.conn.channel()
+    for _ in range(2):
+        method, _props, _body = channel.basic_get(business)
+        assert method is not None
+        assert method.delivery_tag is not None
+        channel.basic_reject(method.delivery_tag, requeue=False)
+    channel.close()
+    # By its own key into the parking lot; by the shared binding key into the catch-all
+    # (no parking lot is bound with `push.any`).
+    wait_for(lambda: ops.count(n.parking_queue("push")) == 1, timeout=5)
+    wait_for(lambda: ops.count(n.unroutable_queue()) == 1, timeout=5)
+
+    preview = json.loads(ops.run("replay", "push", "--dry-run", "--json").stdout)
+    (listed,) = preview["messages"]
+    assert (listed["message_id"], listed["park_reason"]) == (direct, "rejected")
+    assert listed["parked_at"] is not None
+
+    # The catch-all's copy goes back to a parking lot, not to a handler.
+    rerouted = ops.run("replay", "--unroutable", "--json")
+    assert json.loads(rerouted.stdout)["message_ids"] == [shared]
+    wait_for(lambda: ops.count(n.parking_queue("push")) == 2, timeout=5)
+    assert ops.count(business) == 0
+
+    assert ops.run("replay", "push").exit_code == 0
+    wait_for(lambda: ops.count(business) == 2, timeout=5)
+    got = ops.drain(business)
+    assert sorted(p.message_id or "" for p, _ in got) == sorted([direct, shared])
+    for props, _ in got:
+        headers = props.headers or {}
+        assert "x-death" not in headers
+        assert headers[h.H_ATTEMPT] == 1
+        assert headers[h.H_TARGET] == n.queue_key("push")
+
+
+def test_a_failed_publish_puts_the_message_back_and_stops(ops: Ops) -> None:
+    n = ops.names
+    ops.park("orders.cancel", 2)
+    channel = ops.conn.channel()
+    channel.exchange_delete(n.tier_exchange("1s"))
+    channel.close()
+    result = ops.run("replay", "orders.cancel", "--tier", "1s", "--json")
+    assert result.exit_code == 1
+    report = json.loads(result.stdout)
+    assert (report["ok"], report["moved"]) == (False, 0)
+    assert "could not be re-published" in report["error"]
+    assert n.tier_exchange("1s") in report["error"]
+    text = ops.run("replay", "orders.cancel", "--tier", "1s")
+    assert text.exit_code == 1
+    assert "It is back in" in text.stderr
+    wait_for(lambda: ops.count(n.parking_queue("orders.cancel")) == 2, timeout=5)
+    assert ops.count(n.tier_queue("1s")) == 0
+    # The order is kept: the failed message went back to the head.
+    assert ops.run("replay", "orders.cancel").exit_code == 0
+    wait_for(lambda: ops.count(n.business_queue("orders.cancel")) == 2, timeout=5)
+    assert [p.message_id for p, _ in ops.drain(n.business_queue("orders.cancel"))] == ["p0", "p1"]

@@ -1,0 +1,458 @@
+"""The consumer framework on the real broker: one behaviour suite, run against the sync
+(pika, handler threads) and the async (aio-pika) worker alike.
+
+Every scenario uses 1 s tiers and waits with deadlines; handlers are built by
+`workers.harness.handler`, a `def` for the sync worker and an `async def` for the async
+one, from the same steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from rabbit_delay import names as h
+from rabbit_delay.consumer import App, HandlerContext, Reject, Retry
+from rabbit_delay.errors import ConfigError, MissingObjectError
+from rabbit_delay.idempotency import MemoryStore
+from rabbit_delay.sync import Publisher, connect, declare
+from rabbit_delay.topology import Topology
+from rabbit_delay.urls import ManagementEndpoint
+
+from .workers.harness import (
+    KINDS,
+    Calls,
+    RunningWorker,
+    close_connections,
+    connections_named,
+    get_all,
+    handler,
+    message_count,
+    wait_until,
+)
+
+pytestmark = pytest.mark.integration
+
+QUEUE = "orders.cancel"
+Declared = Callable[..., Topology]
+Runner = Callable[..., RunningWorker]
+
+
+class CancelOrder(BaseModel):
+    order_id: int
+    action: str = "ok"
+
+
+@pytest.fixture(params=KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def declared(make_topology: Callable[..., Topology], broker_url: str) -> Callable[..., Topology]:
+    """A unique topology, declared on the broker."""
+
+    def make(**overrides: Any) -> Topology:
+        topology = make_topology(**overrides)
+        conn = connect(broker_url, name="rd-test worker declare")
+        try:
+            declare(conn, topology)
+        finally:
+            conn.close()
+        return topology
+
+    return make
+
+
+@pytest.fixture
+def run_worker(broker_url: str) -> Iterator[Callable[..., RunningWorker]]:
+    running: list[RunningWorker] = []
+
+    def start(kind: str, app: App, **options: Any) -> RunningWorker:
+        worker = RunningWorker(kind, app, broker_url, **options)
+        running.append(worker)
+        return worker.start()
+
+    yield start
+    for worker in running:
+        if worker.thread.is_alive():
+            worker.stop()
+
+
+def publish(url: str, topology: Topology, *bodies: Any, **kwargs: Any) -> list[str]:
+    kwargs.setdefault("queue", QUEUE)
+    with Publisher(topology, url) as publisher:
+        tier = kwargs.pop("tier", "1s")
+        return [publisher.publish_delayed(body, tier, **kwargs) for body in bodies]
+
+
+def retrying(queue: str = QUEUE, **retry: Any) -> dict[str, Any]:
+    return {"queues": {queue: {"retry": retry}}}
+
+
+# -- acks and context ------------------------------------------------------------------------
+
+def test_acks_after_the_handler_returned(
+    kind: str, declared: Declared, run_worker: Runner, broker_url: str
+) -> None:
+    topology = declared()
+    app = App(topology, store=MemoryStore())
+    calls = Calls()
+    app.add_consumer(QUEUE, handler(kind, calls), model=CancelOrder)
+    worker = run_worker(kind, app)
+    ids = publish(broker_url, topology, {"order_id": 1}, {"order_id": 2}, {"order_id": 3})
+
+    finished = calls.wait_finished(3)
+    wait_until(lambda: worker.stats.acked == 3, 5, "3 acks")
+    worker.stop()
+
+    assert message_count(broker_url, topology.names.business_queue(QUEUE)) == 0
+    assert sorted(c.message.order_id for c in finished) == [1, 2, 3]
+    by_id = {c.ctx.message_id: c.ctx for c in finished}
+    assert set(by_id) == set(ids)
+    ctx = by_id[ids[0]]
+    assert ctx.queue == QUEUE
+    assert ctx.attempt == 1
+    assert ctx.max_attempts == topology.queues[QUEUE].retry.max_attempts
+    assert ctx.tier == "1s"
+    assert ctx.redelivered is False
+    assert ctx.scheduled_at is not None
+    assert ctx.lateness_ms is not None
+    assert -1_000 < ctx.lateness_ms < 10_000
+    assert ctx.headers[h.H_TARGET] == topology.names.queue_key(QUEUE)
+
+
+# -- retries and the parking lot ----------------------------------------------------------------
+
+def test_retries_through_the_tier_then_parks_with_the_reason(
+    kind: str, declared: Declared, run_worker: Runner, broker_url: str
+) -> None:
+    topology = declared(**retrying(tiers=["1s"], max_attempts=3))
+    app = App(topology, store=MemoryStore())
+    calls = Calls()
+
+    def boom(message: Any, ctx: HandlerContext) -> None:
+        raise ValueError(f"payment service down (attempt {ctx.attempt})")
+
+    app.add_consumer(QUEUE, handler(kind, calls, then=boom), model=CancelOrder)
+    worker = run_worker(kind, app)
+    [message_id] = publish(broker_url, topology, {"order_id": 7})
+
+    parked = get_all(broker_url, topology.names.parking_queue(QUEUE), 1, timeout=20)[0]
+    worker.stop()
+
+    assert [c.ctx.attempt for c in calls.started] == [1, 2, 3]
+    assert all(c.ctx.message_id == message_id for c in calls.started)
+    # The retries went through the 1 s tier; the broker's x-death of the first trip was
+    # stripped when re-publishing, so each delivery carries one tier expiry only.
+    for call in calls.started[1:]:
+        assert call.ctx.tier == "1s"
+        deaths = call.ctx.headers.get("x-death") or []
+        assert sum(int(d["count"]) for d in deaths) == 1
+    assert calls.finished == []
+
+    headers = parked.headers
+    assert parked.properties.message_id == message_id
+    assert parked.properties.content_type == "application/json"
+    assert CancelOrder.model_validate_json(parked.body).order_id == 7
+    assert headers[h.H_ERROR_TYPE] == "ValueError"
+    assert headers[h.H_ERROR_MESSAGE] == "payment service down (attempt 3)"
+    assert "ValueError: payment service down" in str(headers[h.H_ERROR_TRACEBACK])
+    assert headers[h.H_ORIGINAL_QUEUE] == QUEUE
+    assert headers[h.H_ATTEMPT] == 3
+    assert headers[h.H_PARK_REASON] == "max_attempts"
+    assert headers[h.H_FIRST_FAILURE] <= headers[h.H_LAST_FAILURE]
+    assert headers[h.H_LAST_FAILURE] - headers[h.H_FIRST_FAILURE] >= 1_500  # two 1 s trips
+    assert not any(k.startswith(h.BROKER_HEADER_PREFIXES) for k in headers)
+    assert message_count(broker_url, topology.names.business_queue(QUEUE)) == 0
+    assert worker.stats.retried == 2
+    assert worker.stats.parked == 1
+
+
+def test_a_retry_that_succeeds_is_acked_and_never_parked(
+    kind: str, declared: Declared, run_worker: Runner, broker_url: str
+) -> None:
+    topology = declared(**retrying(tiers=["1s"], max_attempts=3))
+    app = App(topology, store=MemoryStore())
+    calls = Calls()
+
+    def flaky(message: Any, ctx: HandlerContext) -> None:
+        if ctx.attempt == 1:
+            raise ConnectionError("timeout")
+
+    app.add_consumer(QUEUE, handler(kind, calls, then=flaky), model=CancelOrder)
+    worker = run_worker(kind, app)
+    publish(broker_url, topology, {"order_id": 8})
+
+    [done] = calls.wait_finished(1, timeout=15)
+    wait_until(lambda: worker.stats.acked == 1, 5, "the ack")
+    worker.stop()
+    assert done.ctx.attempt == 2
+    assert done.ctx.headers[h.H_ERROR_TYPE] == "ConnectionError"  # the last failure travels along
+    assert message_count(broker_url, topology.names.parking_queue(QUEUE)) == 0
+    assert message_count(broker_url, topology.names.business_queue(QUEUE)) == 0
+
+
+def test_a_retry_goes_back_only_to_the_queue_that_failed(
+    kind: str, declared: Declared, run_worker: Runner, broker_url: str
+) -> None:
+    topology = declared(
+        queues={
+            "billing": {"bindings": ["order.paid"], "retry": {"tiers": ["1s"]}},
+            "mailer": {"bindings": ["order.paid"]},
+        }
+    )
+    app = App(topology, store=MemoryStore())
+    billing, mailer = Calls(), Calls()
+
+    def fail_first(message: Any, ctx: HandlerContext) -> None:
+        if ctx.attempt == 1:
+            raise RuntimeError("ledger locked")
+
+    app.add_consumer("billing", handler(kind, billing, then=fail_first), model=CancelOrder)
+    app.add_consumer("mailer", handler(kind, mailer), model=CancelOrder)
+    worker = run_worker(kind, app)
+    with Publisher(topology, broker_url) as publisher:
+        publisher.publish_delayed({"order_id": 9}, "1s", routing_key="order.paid")
+
+    billing.wait_finished(1, timeout=15)
+    wait_until(lambda: worker.stats.acked == 2, 5, "both acks")
+    worker.stop()
+    assert [c.ctx.attempt for c in billing.started] == [1, 2]
+    assert len(mailer.started) == 1  # the retry did not reach the other queue bound to the key
+
+
+# -- poison messages ---------------------------------------------------------------------------
+
+def test_undecodable_and_invalid_bodies_are_parked_at_once(
+    kind: str, declared: Declared, run_worker: Runner, broker_url: str
+) -> None:
+    topology = declared(**retrying(tiers=["1s"], max_attempts=5))
+    app = App(topology, store=MemoryStore())
+    calls = Calls()
+    app.add_consumer(QUEUE, handler(kind, calls), model=CancelOrder)
+    worker = run_worker(kind, app)
+    poison, invalid = publish(broker_url, topology, b"\xff{not json", {"order_id": "forty-two"})
+
+    parked = get_all(broker_url, topology.names.parking_queue(QUEUE), 2)
+    worker.stop()
+
+    assert calls.started == []
+    reasons = {p.properties.message_id: p.headers for p in parked}
+    assert reasons[poison][h.H_PARK_REASON] == "decode_error"
+    assert reasons[invalid][h.H_PARK_REASON] == "validation_error"
+    for headers in reasons.values():
+        assert headers[h.H_ATTEMPT] == 1
+        assert headers[h.H_ERROR_TYPE] == "pydantic_core.ValidationError"
+        assert headers[h.H_ORIGINAL_QUEUE] == QUEUE
+    assert "order_id" in str(reasons[invalid][h.H_ERROR_MESSAGE])
+    assert [p.body for p in parked if p.properties.message_id == poison] == [b"\xff{not json"]
+    assert worker.stats.retried == 0
+
+
+# -- handler signals ---------------------------------------------------------------------------
+
+def test_retry_and_reject_steer_the_message(
+    kind: str, declared: Declared, run_worker: Runner, broker_url: str
+) -> None:
+    # The policy would wait 3 s; Retry(tier="1s") asks for the short tier instead.
+    topology = declared(**retrying(tiers=["3s"], max_attempts=4))
+    app = App(topology, store=MemoryStore())
+    calls = Calls()
+
+    def steer(message: Any, ctx: HandlerContext) -> None:
+        if message.action == "later" and ctx.attempt == 1:
+            raise Retry("stock not there yet", tier="1s")
+        if message.action == "refuse":
+            raise Reject("order 11 belongs to another shop")
+
+    app.add_consumer(QUEUE, handler(kind, calls, then=steer), model=CancelOrder)
+    worker = run_worker(kind, app)
+    later, refuse = publish(
+        broker_url,
+        topology,
+        {"order_id": 10, "action": "later"},
+        {"order_id": 11, "action": "refuse"},
+    )
+
+    [parked] = get_all(broker_url, topology.names.parking_queue(QUEUE), 1)
+    wait_until(lambda: len(calls.finished) == 1, 15, "the retried message to succeed")
+    worker.stop()
+
+    assert parked.properties.message_id == refuse
+    assert parked.headers[h.H_PARK_REASON] == "rejected"
+    assert parked.headers[h.H_ERROR_MESSAGE] == "order 11 belongs to another shop"
+    assert parked.headers[h.H_ERROR_TYPE] == "rabbit_delay.consumer.Reject"
+    assert parked.headers[h.H_ATTEMPT] == 1
+    [done] = calls.finished
+    assert done.ctx.message_id == later
+    assert (done.ctx.attempt, done.ctx.tier) == (2, "1s")
+    assert done.ctx.headers[h.H_ERROR_TYPE] == "rabbit_delay.consumer.Retry"
+
+
+# -- idempotency -------------------------------------------------------------------------------
+
+def test_a_duplicate_of_a_handled_message_is_acked_and_skipped(
+    kind: str, declared: Declared, run_worker: Runner, broker_url: str
+) -> None:
+    topology = declared()
+    app = App(topology, store=MemoryStore())
+    calls = Calls()
+    app.add_consumer(QUEUE, handler(kind, calls), model=CancelOrder)
+    worker = run_worker(kind, app)
+
+    publish(broker_url, topology, {"order_id": 12}, message_id="order-12-timeout")
+    calls.wait_finished(1)
+    publish(broker_url, topology, {"order_id": 12}, message_id="order-12-timeout")
+    wait_until(lambda: worker.stats.duplicates == 1, 10, "the duplicate to be skipped")
+    worker.stop()
+
+    assert len(calls.started) == 1
+    guard = app.guard() if kind == "sync" else app.async_guard()
+    assert guard.stats.duplicates_skipped == 1
+    assert message_count(broker_url, topology.names.business_queue(QUEUE)) == 0
+
+
+def test_a_duplicate_arriving_while_the_first_runs_is_not_run_beside_it(
+    kind: str, declared: Declared, run_worker: Runner, broker_url: str
+) -> None:
+    topology = declared()
+    app = App(topology, store=MemoryStore())
+    calls = Calls()
+    app.add_consumer(QUEUE, handler(kind, calls, sleep=1.5), model=CancelOrder)
+    worker = run_worker(kind, app, concurrency=4)
+
+    publish(broker_url, topology, {"order_id": 13}, {"order_id": 13}, message_id="order-13")
+    # The second copy is deferred through the 1 s tier, comes back after the first is
+    # done, and is skipped then.
+    wait_until(lambda: worker.stats.duplicates == 1, 15, "the deferred copy to be skipped")
+    worker.stop()
+
+    assert len(calls.started) == 1
+    assert worker.stats.deferred >= 1
+    assert message_count(broker_url, topology.names.business_queue(QUEUE)) == 0
+
+
+def test_cancel_drops_the_message_when_it_comes_due(
+    kind: str, declared: Declared, run_worker: Runner, broker_url: str
+) -> None:
+    topology = declared()
+    app = App(topology, store=MemoryStore())
+    calls = Calls()
+    app.add_consumer(QUEUE, handler(kind, calls), model=CancelOrder)
+    worker = run_worker(kind, app)
+
+    cancelled, kept = publish(broker_url, topology, {"order_id": 14}, {"order_id": 15})
+    app.cancel(cancelled)  # the order was paid: its timeout must not fire
+
+    calls.wait_finished(1)
+    wait_until(lambda: worker.stats.cancelled == 1, 10, "the cancelled message to be dropped")
+    worker.stop()
+    assert [c.ctx.message_id for c in calls.started] == [kept]
+    assert message_count(broker_url, topology.names.business_queue(QUEUE)) == 0
+
+
+# -- lifecycle ---------------------------------------------------------------------------------
+
+def test_graceful_stop_finishes_in_flight_handlers_and_hands_back_the_rest(
+    kind: str, declared: Declared, run_worker: Runner, broker_url: str
+) -> None:
+    topology = declared()
+    app = App(topology, store=MemoryStore())
+    calls = Calls()
+    app.add_consumer(QUEUE, handler(kind, calls, sleep=1.0), model=CancelOrder)
+    worker = run_worker(kind, app, concurrency=2, prefetch=4)
+    publish(broker_url, topology, *({"order_id": n} for n in range(20, 24)))
+
+    calls.wait_started(2)
+    worker.stop()  # what SIGINT / SIGTERM do
+
+    assert len(calls.finished) == len(calls.started) == 2  # in flight: finished, acked
+    assert worker.stats.acked == 2
+    assert message_count(broker_url, topology.names.business_queue(QUEUE)) == 2  # not started
+
+
+def test_a_handler_past_the_shutdown_timeout_is_redelivered(
+    kind: str, declared: Declared, run_worker: Runner, broker_url: str
+) -> None:
+    topology = declared()
+    app = App(topology, store=MemoryStore())
+    calls = Calls()
+    app.add_consumer(QUEUE, handler(kind, calls, sleep=3.0), model=CancelOrder)
+    worker = run_worker(kind, app, shutdown_timeout=0.3)
+    publish(broker_url, topology, {"order_id": 30})
+
+    calls.wait_started(1)
+    worker.stop()
+    assert worker.stats.acked == 0
+    assert message_count(broker_url, topology.names.business_queue(QUEUE)) == 1
+
+
+def test_reconnects_after_the_server_closes_the_connection(
+    kind: str,
+    declared: Callable[..., Topology],
+    run_worker: Callable[..., RunningWorker],
+    broker_url: str,
+    management: ManagementEndpoint,
+) -> None:
+    topology = declared()
+    app = App(topology, store=MemoryStore())
+    calls = Calls()
+
+    def slow_for_40(message: Any, _ctx: HandlerContext) -> float:
+        return 2.5 if message.order_id == 40 else 0.0
+
+    app.add_consumer(QUEUE, handler(kind, calls, sleep=slow_for_40), model=CancelOrder)
+    worker = run_worker(kind, app)
+    [connection] = connections_named(management, worker.name)
+
+    publish(broker_url, topology, {"order_id": 40})
+    calls.wait_started(1)
+    # The server drops the worker's connection while the handler of 40 runs: its ack
+    # can no longer be sent; the broker redelivers 40, and the guard sees it through.
+    close_connections(management, [connection])
+    wait_until(
+        lambda: worker.stats.reconnects == 1 and worker.worker.started.is_set(), 15, "a reconnect"
+    )
+    publish(broker_url, topology, {"order_id": 41})
+
+    wait_until(
+        lambda: sorted(c.message.order_id for c in calls.finished) == [40, 41], 15, "both handled"
+    )
+    wait_until(
+        lambda: message_count(broker_url, topology.names.business_queue(QUEUE)) == 0
+        and worker.stats.duplicates == 1,
+        15,
+        f"the redelivered 40 to be skipped as done ({worker.stats})",
+    )
+    worker.stop()
+    assert [c.message.order_id for c in calls.started].count(40) == 1  # one effect
+
+
+# -- refusing to start ---------------------------------------------------------------------------
+
+def test_refuses_a_queue_missing_on_the_broker_and_declares_on_request(
+    kind: str, make_topology: Callable[..., Topology], run_worker: Callable[..., RunningWorker]
+) -> None:
+    topology = make_topology()  # not declared
+    app = App(topology, store=MemoryStore())
+    app.add_consumer(QUEUE, handler(kind, Calls()), model=CancelOrder)
+    with pytest.raises(MissingObjectError, match="rabbit-delay declare"):
+        run_worker(kind, app)
+    worker = run_worker(kind, app, declare=True)
+    worker.stop()
+
+
+def test_the_sync_worker_refuses_an_async_handler(make_topology: Callable[..., Topology]) -> None:
+    from rabbit_delay.sync.worker import Worker
+
+    app = App(make_topology(), store=MemoryStore())
+
+    @app.consumer(QUEUE, model=CancelOrder)
+    async def cancel(message: CancelOrder, ctx: HandlerContext) -> None: ...
+
+    with pytest.raises(ConfigError, match="cannot run async handlers"):
+        Worker(app)

@@ -1,0 +1,1 @@
+"""Helpers for the worker tests: an in-process harness and apps run as subprocesses."""

@@ -1,0 +1,255 @@
+"""Running either worker in a background thread, with one face, for the behaviour suite.
+
+`start_worker("sync" | "async", app, url, ...)` runs `Worker.run()` on a thread, or
+`AsyncWorker.run()` in `asyncio.run` on a thread; `stop()` is the same call the signal
+handlers make. `handler(kind, ...)` builds a `def` handler for the sync worker and an
+`async def` one for the async worker from the same steps, so each behaviour test is
+written once. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+import pika
+import pika.exceptions
+
+from rabbit_delay.consumer import App, HandlerContext
+from rabbit_delay.urls import ManagementEndpoint
+
+KINDS = ("sync", "async")
+START_S = 15.0
+STOP_S = 20.0
+
+
+def wait_until(
+    predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05
+) -> Any:
+    """Poll until `predicate()` is truthy; AssertionError naming `what` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class Call:
+    message: Any
+    ctx: HandlerContext
+    at: float = field(default_factory=time.monotonic)
+
+
+class Calls:
+    """Thread-safe record of handler invocations (started and finished)."""
+
+    def __init__(self) -> None:
+        self.started: list[Call] = []
+        self.finished: list[Call] = []
+        self._lock = threading.Lock()
+
+    def start(self, message: Any, ctx: HandlerContext) -> None:
+        with self._lock:
+            self.started.append(Call(message, ctx))
+
+    def finish(self, message: Any, ctx: HandlerContext) -> None:
+        with self._lock:
+            self.finished.append(Call(message, ctx))
+
+    def wait_started(self, n: int, timeout: float = 15.0) -> list[Call]:
+        wait_until(lambda: len(self.started) >= n, timeout, f"{n} handler start(s)")
+        return list(self.started)
+
+    def wait_finished(self, n: int, timeout: float = 15.0) -> list[Call]:
+        wait_until(lambda: len(self.finished) >= n, timeout, f"{n} handler finish(es)")
+        return list(self.finished)
+
+
+Step = Callable[[Any, HandlerContext], None]
+
+
+def handler(
+    kind: str,
+    calls: Calls,
+    *,
+    sleep: float | Callable[[Any, HandlerContext], float] = 0.0,
+    then: Step | None = None,
+) -> Callable[..., Any]:
+    """record start -> sleep -> `then` (which may raise) -> record finish.
+
+    A `def` for the sync worker (sleeps on its thread), an `async def` for the async
+    worker (sleeps on the loop).
+    """
+
+    def pause(message: Any, ctx: HandlerContext) -> float:
+        return sleep(message, ctx) if callable(sleep) else sleep
+
+    if kind == "sync":
+
+        def handle(message: Any, ctx: HandlerContext) -> None:
+            calls.start(message, ctx)
+            seconds = pause(message, ctx)
+            if seconds:
+                time.sleep(seconds)
+            if then is not None:
+                then(message, ctx)
+            calls.finish(message, ctx)
+
+        return handle
+
+    async def handle_async(message: Any, ctx: HandlerContext) -> None:
+        calls.start(message, ctx)
+        seconds = pause(message, ctx)
+        if seconds:
+            await asyncio.sleep(seconds)
+        if then is not None:
+            then(message, ctx)
+        calls.finish(message, ctx)
+
+    return handle_async
+
+
+class RunningWorker:
+    """A worker on a background thread. `error` holds what `run()` raised, if anything."""
+
+    def __init__(self, kind: str, app: App, url: str, **options: Any) -> None:
+        self.kind = kind
+        self.name = f"rd-test-worker-{uuid.uuid4().hex[:10]}"
+        options.setdefault("install_signal_handlers", False)
+        if kind == "sync":
+            from rabbit_delay.sync.worker import Worker
+
+            self.worker: Any = Worker(app, url, name=self.name, **options)
+            target: Callable[[], None] = self.worker.run
+        else:
+            from rabbit_delay.aio.worker import AsyncWorker
+
+            self.worker = AsyncWorker(app, url, name=self.name, **options)
+
+            def target() -> None:
+                asyncio.run(self.worker.run())
+
+        self.error: BaseException | None = None
+
+        def main() -> None:
+            try:
+                target()
+            except BaseException as exc:
+                self.error = exc
+
+        self.thread = threading.Thread(target=main, name=f"{kind}-worker", daemon=True)
+
+    @property
+    def stats(self) -> Any:
+        return self.worker.stats
+
+    def start(self) -> RunningWorker:
+        self.thread.start()
+        wait_until(
+            lambda: self.worker.started.is_set() or not self.thread.is_alive(),
+            START_S,
+            "the worker to start consuming",
+        )
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def stop(self, timeout: float = STOP_S) -> None:
+        self.worker.stop()
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"the {self.kind} worker did not stop within {timeout}s"
+        if self.error is not None:
+            raise self.error
+
+
+# -- broker state -------------------------------------------------------------------------
+
+def message_count(url: str, queue: str) -> int:
+    """Ready messages (passive declare), on a connection of its own."""
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        return int(conn.channel().queue_declare(queue, passive=True).method.message_count)
+    finally:
+        conn.close()
+
+
+@dataclass
+class Got:
+    body: bytes
+    properties: pika.BasicProperties
+
+    @property
+    def headers(self) -> dict[str, Any]:
+        return dict(self.properties.headers or {})
+
+
+def get_all(url: str, queue: str, expected: int, timeout: float = 15.0) -> list[Got]:
+    """Take (and ack) `expected` messages from `queue`, waiting up to `timeout`."""
+    got: list[Got] = []
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        channel = conn.channel()
+        deadline = time.monotonic() + timeout
+        while len(got) < expected:
+            method, props, body = channel.basic_get(queue, auto_ack=True)
+            if method is None:
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"{queue}: {len(got)} of {expected} message(s) in {timeout}s"
+                    )
+                time.sleep(0.05)
+                continue
+            got.append(Got(body, props))
+    finally:
+        conn.close()
+    return got
+
+
+def _mgmt(endpoint: ManagementEndpoint, method: str, path: str) -> Any:
+    request = urllib.request.Request(endpoint.url(path), method=method)
+    token = base64.b64encode(f"{endpoint.username}:{endpoint.password}".encode()).decode()
+    request.add_header("Authorization", f"Basic {token}")
+    request.add_header("X-Reason", "rabbit-delay test: connection loss")
+    with urllib.request.urlopen(request, timeout=5) as response:
+        data = response.read()
+    return json.loads(data) if data else None
+
+
+def connections_named(endpoint: ManagementEndpoint, client_name: str) -> list[str]:
+    """The broker's names of the connections whose client-provided name is `client_name`
+    (waits until the management API lists at least one)."""
+
+    def find() -> list[str]:
+        rows = _mgmt(endpoint, "GET", "connections?columns=name,client_properties")
+        return [
+            row["name"]
+            for row in rows
+            if (row.get("client_properties") or {}).get("connection_name") == client_name
+        ]
+
+    names: list[str] = wait_until(find, 20.0, f"connection {client_name!r} in the management API")
+    return names
+
+
+def close_connections(endpoint: ManagementEndpoint, names: list[str]) -> None:
+    """Close these connections from the server side (never anyone else's)."""
+    for name in names:
+        try:
+            _mgmt(endpoint, "DELETE", f"connections/{quote(name, safe='')}")
+        except urllib.error.HTTPError as exc:
+            if exc.code != 404:
+                raise

@@ -1,0 +1,65 @@
+"""benchmarks/bench_publish.py --quick --json runs and reports every figure.
+
+Only the structure is checked: ratios on a shared 2-core machine are the benchmark's
+business, never a test's (STYLE: no tight timing in tests).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks" / "bench_publish.py"
+CONTENDERS = {
+    "raw-aio-pipelined",
+    "raw-aio-single",
+    "raw-pika-single",
+    "async-batched",
+    "async-single",
+    "sync-single",
+    "sync-batched",
+}
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.mark.timeout(150)
+def test_bench_publish_quick_json(broker_url: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--json", "--url", broker_url],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    )
+    result = json.loads(proc.stdout)
+
+    assert set(result["throughput"]) == CONTENDERS
+    for name, figures in result["throughput"].items():
+        assert figures["median_msg_s"] > 0, name
+        assert len(figures["rates"]) == result["config"]["rounds"], name
+    pairs = {(r["ours"], r["baseline"]) for r in result["ratios"]}
+    assert pairs == {
+        ("async-batched", "raw-aio-pipelined"),
+        ("sync-single", "raw-pika-single"),
+        ("sync-batched", "raw-pika-single"),
+        ("async-single", "raw-aio-single"),
+    }
+    for r in result["ratios"]:
+        assert r["ratio"] > 0
+        assert (r["met"] is None) == (r["target"] is None)
+
+    lateness = result["lateness"]
+    assert lateness["received"] == lateness["sent"] > 0
+    assert lateness["early"] == 0, "a message arrived before its rd-due-at"
+    assert 0 <= lateness["p50_ms"] <= lateness["p99_ms"] <= lateness["max_ms"]
+    assert "guest:guest@" not in proc.stdout + proc.stderr, "the broker password must be redacted"

@@ -1,0 +1,282 @@
+"""The retry/park decision (`rabbit_delay.consumer.decide`): pure, no broker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from rabbit_delay import names as h
+from rabbit_delay.consumer import (
+    ACK,
+    Park,
+    ParkReason,
+    QueuePolicy,
+    Reject,
+    Republish,
+    RepublishReason,
+    Requeue,
+    Retry,
+    Skip,
+    SkipReason,
+    Unavailable,
+    Undecodable,
+    decide,
+)
+from rabbit_delay.consumer._decide import MAX_ERROR_MESSAGE, MAX_TRACEBACK, error_type_of
+from rabbit_delay.errors import ConfigError
+from rabbit_delay.idempotency import ClaimResult
+from rabbit_delay.message import Envelope
+from rabbit_delay.topology import Topology, topology_from_dict
+
+NOW = 1_800_000_000_000
+BODY = b'{"order_id":1}'
+JSON = "application/json"
+
+
+def topology(**queue: Any) -> Topology:
+    return topology_from_dict(
+        {
+            "namespace": "shop",
+            "tiers": {"1s": "1s", "30s": "30s", "5m": "5m"},
+            "queues": {"orders": queue, "mail": {"bindings": ["order.paid"]}},
+        }
+    )
+
+
+def envelope(attempt: int = 1, **headers: object) -> Envelope:
+    base: dict[str, object] = {
+        h.H_ATTEMPT: attempt,
+        h.H_TIER: "1s",
+        h.H_DUE_AT: NOW - 5,
+        h.H_TARGET: "order.paid",
+    }
+    return Envelope.from_headers("m-1", {**base, **headers})
+
+
+def run(outcome: Any, env: Envelope | None = None, **queue: Any) -> Any:
+    policy = QueuePolicy(topology(**queue), "orders")
+    return decide(env or envelope(), policy, outcome, body=BODY, content_type=JSON, now_ms=NOW)
+
+
+def test_success_acks() -> None:
+    assert run(None) is ACK
+
+
+@pytest.mark.parametrize(
+    ("claim", "reason"),
+    [(ClaimResult.DONE, SkipReason.DUPLICATE), (ClaimResult.CANCELLED, SkipReason.CANCELLED)],
+)
+def test_done_or_cancelled_claims_skip(claim: ClaimResult, reason: SkipReason) -> None:
+    assert run(claim) == Skip(reason)
+
+
+def test_a_copy_in_progress_is_deferred_through_the_shortest_tier_with_the_same_attempt() -> None:
+    env = envelope(2, **{"x-death": [{"count": 1}], "x-first-death-queue": "q"})
+    action = run(ClaimResult.IN_PROGRESS, env, retry={"tiers": ["5m"]})
+    assert isinstance(action, Republish)
+    assert action.reason is RepublishReason.DEFER
+    assert action.attempt == 2
+    out = action.outgoing
+    assert out.exchange == "shop.v1.delay.1s"
+    assert out.routing_key == "shop.v1.q.orders"
+    assert out.headers[h.H_ATTEMPT] == 2
+    assert out.message_id == "m-1"
+    assert not any(k.startswith("x-") for k in out.headers)
+
+
+def test_claimed_is_not_an_outcome() -> None:
+    with pytest.raises(ValueError, match="run the handler"):
+        run(ClaimResult.CLAIMED)
+
+
+def test_a_failure_retries_through_the_policy_tiers_to_the_failed_queue_only() -> None:
+    env = envelope(1, **{"x-death": [{"count": 1}], "x-last-death-reason": "expired",
+                         "x-delivery-count": 2, "custom": "kept"})
+    action = run(ValueError("boom"), env, retry={"tiers": ["1s", "30s"], "max_attempts": 4})
+    assert isinstance(action, Republish)
+    assert action.reason is RepublishReason.RETRY
+    assert action.attempt == 2
+    out = action.outgoing
+    # The queue's unique key, not the binding key the message was first published with.
+    assert (out.exchange, out.routing_key) == ("shop.v1.delay.1s", "shop.v1.q.orders")
+    assert (out.body, out.content_type, out.message_id) == (BODY, JSON, "m-1")
+    headers = out.headers
+    assert headers[h.H_ATTEMPT] == 2
+    assert headers[h.H_TIER] == "1s"
+    assert headers[h.H_DUE_AT] == NOW + 1_000
+    assert headers[h.H_TARGET] == "shop.v1.q.orders"
+    assert headers[h.H_FIRST_FAILURE] == headers[h.H_LAST_FAILURE] == NOW
+    assert headers[h.H_ERROR_TYPE] == "ValueError"
+    assert headers[h.H_ERROR_MESSAGE] == "boom"
+    assert headers["custom"] == "kept"
+    assert not any(k.startswith("x-") for k in headers)
+
+
+@pytest.mark.parametrize(("attempt", "tier"), [(1, "1s"), (2, "30s"), (3, "30s"), (4, "30s")])
+def test_retry_n_waits_tier_n_and_the_last_tier_repeats(attempt: int, tier: str) -> None:
+    policy = {"tiers": ["1s", "30s"], "max_attempts": 9}
+    action = run(RuntimeError(), envelope(attempt), retry=policy)
+    assert isinstance(action, Republish)
+    assert action.outgoing.headers[h.H_TIER] == tier
+
+
+def test_without_retry_tiers_the_shortest_tier_is_used() -> None:
+    action = run(RuntimeError())
+    assert isinstance(action, Republish)
+    assert action.outgoing.headers[h.H_TIER] == "1s"
+
+
+def test_the_first_failure_time_is_kept_across_retries() -> None:
+    env = envelope(2, **{h.H_FIRST_FAILURE: NOW - 60_000})
+    action = run(RuntimeError(), env)
+    assert isinstance(action, Republish)
+    assert action.outgoing.headers[h.H_FIRST_FAILURE] == NOW - 60_000
+    assert action.outgoing.headers[h.H_LAST_FAILURE] == NOW
+
+
+def _raise(exc: BaseException) -> BaseException:
+    try:
+        raise exc
+    except BaseException as caught:
+        return caught
+
+
+def test_the_last_attempt_parks_with_the_error_headers() -> None:
+    exc = _raise(KeyError("order 1 not found"))
+    env = envelope(3, **{h.H_FIRST_FAILURE: NOW - 2_000, "x-death": [{"count": 2}]})
+    action = run(exc, env, retry={"max_attempts": 3})
+    assert isinstance(action, Park)
+    assert action.reason is ParkReason.MAX_ATTEMPTS
+    out = action.outgoing
+    assert (out.exchange, out.routing_key) == ("shop.v1.parking", "shop.v1.q.orders")
+    assert out.mandatory is True
+    assert (out.body, out.content_type, out.message_id) == (BODY, JSON, "m-1")
+    headers = out.headers
+    assert headers[h.H_ERROR_TYPE] == "KeyError"
+    assert headers[h.H_ERROR_MESSAGE] == "'order 1 not found'"
+    assert "KeyError: 'order 1 not found'" in str(headers[h.H_ERROR_TRACEBACK])
+    assert headers[h.H_ORIGINAL_QUEUE] == "orders"
+    assert headers[h.H_ATTEMPT] == 3
+    assert headers[h.H_FIRST_FAILURE] == NOW - 2_000
+    assert headers[h.H_LAST_FAILURE] == NOW
+    assert headers[h.H_PARK_REASON] == "max_attempts"
+    assert "x-death" not in headers
+
+
+def test_long_errors_are_truncated() -> None:
+    exc = _raise(ValueError("x" * 50_000))
+    action = run(exc, envelope(3), retry={"max_attempts": 3})
+    assert isinstance(action, Park)
+    message = str(action.outgoing.headers[h.H_ERROR_MESSAGE])
+    trace = str(action.outgoing.headers[h.H_ERROR_TRACEBACK])
+    assert len(message) <= MAX_ERROR_MESSAGE
+    assert len(trace) <= MAX_TRACEBACK
+    assert message.endswith("(truncated)\n")
+    assert trace.startswith("...(truncated)")
+
+
+def test_reject_parks_at_once_with_its_reason() -> None:
+    action = run(Reject("not our order"), envelope(1), retry={"max_attempts": 5})
+    assert isinstance(action, Park)
+    assert action.reason is ParkReason.REJECTED
+    assert action.outgoing.headers[h.H_ERROR_MESSAGE] == "not our order"
+    assert action.outgoing.headers[h.H_ERROR_TYPE] == "rabbit_delay.consumer.Reject"
+    assert h.H_ERROR_TRACEBACK not in action.outgoing.headers
+
+
+def test_retry_may_name_a_tier_or_a_delay() -> None:
+    by_tier = run(Retry(tier="5m"), retry={"tiers": ["1s"]})
+    by_delay = run(Retry(delay="30s"), retry={"tiers": ["1s"]})
+    assert isinstance(by_tier, Republish)
+    assert isinstance(by_delay, Republish)
+    assert by_tier.outgoing.headers[h.H_TIER] == "5m"
+    assert by_delay.outgoing.headers[h.H_TIER] == "30s"
+    assert by_tier.attempt == 2
+
+
+def test_a_retry_the_topology_cannot_serve_falls_back_to_the_policy() -> None:
+    action = run(Retry("wait", delay="7s"), retry={"tiers": ["30s"]})
+    assert isinstance(action, Republish)
+    assert action.outgoing.headers[h.H_TIER] == "30s"
+    assert "requested retry delay refused" in str(action.outgoing.headers[h.H_ERROR_MESSAGE])
+
+
+def test_retry_counts_as_an_attempt() -> None:
+    action = run(Retry(tier="1s"), envelope(2), retry={"max_attempts": 2})
+    assert isinstance(action, Park)
+    assert action.reason is ParkReason.MAX_ATTEMPTS
+
+
+class Order(BaseModel):
+    order_id: int
+
+
+def test_undecodable_and_invalid_bodies_park_at_once() -> None:
+    with pytest.raises(ValidationError) as not_json:
+        Order.model_validate_json(b"\xff")
+    with pytest.raises(ValidationError) as wrong:
+        Order.model_validate_json(b'{"order_id": "x"}')
+    cases = ((not_json.value, ParkReason.DECODE_ERROR), (wrong.value, ParkReason.VALIDATION_ERROR))
+    for exc, reason in cases:
+        action = run(Undecodable.from_exception(exc), envelope(1), retry={"max_attempts": 5})
+        assert isinstance(action, Park)
+        assert action.reason is reason
+        assert action.outgoing.headers[h.H_PARK_REASON] == reason.value
+        assert action.outgoing.headers[h.H_ERROR_TYPE] == "pydantic_core.ValidationError"
+
+
+def test_a_store_failure_requeues() -> None:
+    action = run(Unavailable(OSError("disk full")))
+    assert isinstance(action, Requeue)
+    assert "disk full" in action.error
+
+
+def test_backoff_resolves_exact_delays_through_the_cascade() -> None:
+    top = topology_from_dict(
+        {
+            "namespace": "shop",
+            "tiers": {"1s": "1s"},
+            "cascade": {"levels": 12},
+            "queues": {"orders": {"retry": {"max_attempts": 5, "backoff": {"initial": "2s"}}}},
+        }
+    )
+    policy = QueuePolicy(top, "orders")
+    delays = [policy.retry_route(n).delay_ms for n in range(1, 5)]
+    assert delays == [2_000, 4_000, 8_000, 16_000]
+    assert {policy.retry_route(n).tier for n in range(1, 5)} == {"cascade"}
+    assert policy.retry_route(1).target == "shop.v1.q.orders"
+
+
+def test_a_retry_tier_the_queue_does_not_accept_is_a_config_error() -> None:
+    top = topology_from_dict(
+        {
+            "namespace": "shop",
+            "tiers": {"1s": "1s", "5m": "5m"},
+            "queues": {"orders": {"tiers": ["5m"], "retry": {"tiers": ["1s"]}}},
+        }
+    )
+    with pytest.raises(ConfigError, match=r"queues\.orders\.retry"):
+        QueuePolicy(top, "orders")
+
+
+def test_the_defer_tier_is_the_shortest_the_queue_accepts() -> None:
+    top = topology_from_dict(
+        {
+            "namespace": "shop",
+            "tiers": {"1s": "1s", "5m": "5m", "1h": "1h"},
+            "queues": {"orders": {"tiers": ["1h", "5m"]}},
+        }
+    )
+    assert QueuePolicy(top, "orders").defer_route.tier == "5m"
+
+
+def test_error_type_names_drop_private_modules() -> None:
+    class Local(Exception):
+        pass
+
+    assert error_type_of(ValueError()) == "ValueError"
+    assert error_type_of(ConfigError("x")) == "rabbit_delay.errors.ConfigError"
+    name = error_type_of(Local())
+    assert name.endswith("test_error_type_names_drop_private_modules.<locals>.Local")

@@ -1,0 +1,669 @@
+"""Idempotency guard and stores: the shared contract on MemoryStore and SQLiteStore
+(direct and group-commit), then what is particular to each: threads, processes, the
+inbox pattern, group commit, the guards, configuration."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from idempotency_contract import (
+    CANCELLED,
+    CLAIMED,
+    DONE,
+    IN_PROGRESS,
+    LEASE,
+    RETENTION,
+    T0,
+    NewStore,
+    StoreContract,
+    new_key,
+)
+
+from rabbit_delay.errors import ConfigError
+from rabbit_delay.idempotency import (
+    DEFAULT_PREFIX,
+    AsyncGuard,
+    AsyncIdempotencyStore,
+    AsyncRedisStore,
+    AsyncSQLiteStore,
+    ClaimResult,
+    Guard,
+    IdempotencyStore,
+    MemoryStore,
+    RedisStore,
+    SQLiteStore,
+    SyncStoreAsAsync,
+    as_async,
+    async_store_from_config,
+    store_from_config,
+)
+from rabbit_delay.topology import IdempotencyConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# -- the contract ------------------------------------------------------------------------
+
+
+class TestMemoryStoreContract(StoreContract):
+    shared_backend = False
+
+    @pytest.fixture
+    def new_store(self) -> NewStore:
+        def make(prefix: str | None = None) -> AsyncIdempotencyStore:
+            return SyncStoreAsAsync(MemoryStore(prefix=prefix or DEFAULT_PREFIX))
+
+        return make
+
+
+class TestSQLiteStoreContract(StoreContract):
+    @pytest.fixture
+    def new_store(self, tmp_path: Path) -> Iterator[NewStore]:
+        made: list[SQLiteStore] = []
+
+        def make(prefix: str | None = None) -> AsyncIdempotencyStore:
+            made.append(SQLiteStore(tmp_path / "idem.sqlite3", prefix=prefix or DEFAULT_PREFIX))
+            return SyncStoreAsAsync(made[-1])
+
+        yield make
+        for store in made:
+            store.close()
+
+
+class TestAsyncSQLiteStoreContract(StoreContract):
+    @pytest.fixture
+    def new_store(self, tmp_path: Path) -> Iterator[NewStore]:
+        made: list[SQLiteStore] = []
+
+        def make(prefix: str | None = None) -> AsyncIdempotencyStore:
+            made.append(SQLiteStore(tmp_path / "idem.sqlite3", prefix=prefix or DEFAULT_PREFIX))
+            return AsyncSQLiteStore(made[-1])
+
+        yield make
+        for store in made:
+            store.close()
+
+
+# -- threads and processes ---------------------------------------------------------------
+
+StoreFactory = Callable[[], IdempotencyStore]
+
+
+def race(stores: list[IdempotencyStore], keys: list[str]) -> dict[str, list[str]]:
+    """Each store claims every key from its own thread, all released at once by a barrier.
+    Returns, per key, the owners that got CLAIMED."""
+    barrier = threading.Barrier(len(stores))
+    winners: dict[str, list[str]] = {k: [] for k in keys}
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def run(index: int, store: IdempotencyStore) -> None:
+        owner = f"thread-{index}"
+        try:
+            barrier.wait(timeout=10)
+            for key in keys:
+                if store.claim(key, owner, now_ms=T0, lease_ms=LEASE) is CLAIMED:
+                    with lock:
+                        winners[key].append(owner)
+        except BaseException as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, s)) for i, s in enumerate(stores)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
+    return winners
+
+
+def test_memory_store_threads_race_for_a_key_one_wins() -> None:
+    store = MemoryStore()
+    keys = [new_key() for _ in range(300)]
+    winners = race([store] * 8, keys)
+    assert all(len(w) == 1 for w in winners.values()), winners
+
+
+def test_sqlite_store_shared_by_threads_one_wins(tmp_path: Path) -> None:
+    with SQLiteStore(tmp_path / "idem.sqlite3") as store:
+        keys = [new_key() for _ in range(300)]
+        winners = race([store] * 8, keys)
+    assert all(len(w) == 1 for w in winners.values()), winners
+
+
+def test_sqlite_stores_on_one_file_one_per_thread_one_wins(tmp_path: Path) -> None:
+    # Eight connections to one file: what eight worker processes do.
+    stores: list[IdempotencyStore] = [SQLiteStore(tmp_path / "idem.sqlite3") for _ in range(8)]
+    try:
+        keys = [new_key() for _ in range(300)]
+        winners = race(stores, keys)
+    finally:
+        for s in stores:
+            s.close()
+    assert all(len(w) == 1 for w in winners.values()), winners
+
+
+def test_two_sqlite_stores_on_one_file_never_both_claim(tmp_path: Path) -> None:
+    path = tmp_path / "idem.sqlite3"
+    with SQLiteStore(path) as one, SQLiteStore(path) as two:
+        key = new_key()
+        assert one.claim(key, "p1", now_ms=T0, lease_ms=LEASE) is CLAIMED
+        assert two.claim(key, "p2", now_ms=T0, lease_ms=LEASE) is IN_PROGRESS
+        one.complete(key, "p1", now_ms=T0, retention_ms=RETENTION)
+        assert two.claim(key, "p2", now_ms=T0, lease_ms=LEASE) is DONE
+        other = new_key()
+        assert two.claim(other, "p2", now_ms=T0, lease_ms=LEASE) is CLAIMED
+        assert one.claim(other, "p1", now_ms=T0, lease_ms=LEASE) is IN_PROGRESS
+
+
+_CLAIMER = textwrap.dedent(
+    """
+    import os, sys
+    from rabbit_delay.idempotency import SQLiteStore, ClaimResult
+    path, count = sys.argv[1], int(sys.argv[2])
+    store = SQLiteStore(path, busy_timeout_s=30)
+    sys.stdin.readline()  # start together
+    owner = str(os.getpid())
+    won = [str(i) for i in range(count)
+           if store.claim(f"k{i}", owner, now_ms=1, lease_ms=10**9) is ClaimResult.CLAIMED]
+    store.close()
+    print(" ".join(won))
+    """
+)
+
+
+def test_sqlite_processes_claim_each_key_exactly_once(tmp_path: Path) -> None:
+    path, count = tmp_path / "idem.sqlite3", 400
+    SQLiteStore(path).close()  # create the schema before the race
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CLAIMER, str(path), str(count)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    won: list[str] = []
+    for p in procs:
+        out, err = p.communicate(timeout=90)
+        assert p.returncode == 0, err
+        won.extend(out.split())
+    assert sorted(won, key=int) == [str(i) for i in range(count)]
+
+
+# -- SQLite particulars ------------------------------------------------------------------
+
+
+def test_sqlite_uses_wal_and_synchronous_normal(tmp_path: Path) -> None:
+    with SQLiteStore(tmp_path / "idem.sqlite3") as store:
+        assert store._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert store._conn.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
+
+
+def test_sqlite_rejects_a_table_name_that_is_not_an_identifier(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="table name"):
+        SQLiteStore(tmp_path / "idem.sqlite3", table="x; DROP TABLE y")
+
+
+def test_sqlite_custom_table_keeps_records_apart(tmp_path: Path) -> None:
+    path = tmp_path / "idem.sqlite3"
+    with SQLiteStore(path, table="one") as one, SQLiteStore(path, table="two") as two:
+        key = new_key()
+        one.complete(key, "a", now_ms=T0, retention_ms=RETENTION)
+        assert two.claim(key, "b", now_ms=T0, lease_ms=LEASE) is CLAIMED
+
+
+def test_sqlite_records_survive_reopening(tmp_path: Path) -> None:
+    path, key = tmp_path / "idem.sqlite3", new_key()
+    with SQLiteStore(path) as store:
+        store.complete(key, "a", now_ms=T0, retention_ms=RETENTION)
+    with SQLiteStore(path) as store:
+        assert store.claim(key, "b", now_ms=T0 + 1, lease_ms=LEASE) is DONE
+
+
+def test_sqlite_purge_walks_past_one_slice(tmp_path: Path) -> None:
+    with SQLiteStore(tmp_path / "idem.sqlite3") as store:
+        expired = [new_key() for _ in range(4_500)]
+        kept = [new_key() for _ in range(100)]
+        for key in expired:
+            store.complete(key, "a", now_ms=T0, retention_ms=10)
+        for key in kept:
+            store.complete(key, "a", now_ms=T0, retention_ms=RETENTION)
+        assert store.purge(now_ms=T0 + 10) == len(expired)
+        count = store._conn.execute(f"SELECT count(*) FROM {store.table}").fetchone()[0]
+        assert count == len(kept)
+        assert all(store.claim(k, "b", now_ms=T0 + 11, lease_ms=LEASE) is DONE for k in kept)
+
+
+# -- the inbox pattern -------------------------------------------------------------------
+
+
+@pytest.fixture
+def inbox(tmp_path: Path) -> Iterator[tuple[SQLiteStore, sqlite3.Connection]]:
+    path = tmp_path / "app.sqlite3"
+    store = SQLiteStore(path)
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("CREATE TABLE effects (message_id TEXT NOT NULL)")
+    yield store, conn
+    conn.close()
+    store.close()
+
+
+def test_mark_done_in_commits_with_the_handlers_change(
+    inbox: tuple[SQLiteStore, sqlite3.Connection],
+) -> None:
+    store, conn = inbox
+    key = new_key()
+    assert store.claim(key, "w1", now_ms=T0, lease_ms=LEASE) is CLAIMED
+    conn.execute("BEGIN IMMEDIATE")
+    conn.execute("INSERT INTO effects VALUES (?)", (key,))
+    store.mark_done_in(conn, key, now_ms=T0 + 1, retention_ms=RETENTION, owner="w1")
+    conn.execute("COMMIT")
+    # The worker died before complete() and ack: the redelivery is recognised.
+    assert store.claim(key, "w2", now_ms=T0 + 2, lease_ms=LEASE) is DONE
+    # A late complete() from the first worker changes nothing (the retention stays).
+    store.complete(key, "w1", now_ms=T0 + RETENTION // 2, retention_ms=RETENTION)
+    assert store.claim(key, "w2", now_ms=T0 + 1 + RETENTION, lease_ms=LEASE) is CLAIMED
+    assert conn.execute("SELECT count(*) FROM effects").fetchone()[0] == 1
+
+
+def test_mark_done_in_rolls_back_with_the_handlers_change(
+    inbox: tuple[SQLiteStore, sqlite3.Connection],
+) -> None:
+    store, conn = inbox
+    key = new_key()
+    assert store.claim(key, "w1", now_ms=T0, lease_ms=LEASE) is CLAIMED
+    conn.execute("BEGIN IMMEDIATE")
+    conn.execute("INSERT INTO effects VALUES (?)", (key,))
+    store.mark_done_in(conn, key, now_ms=T0 + 1, retention_ms=RETENTION)
+    conn.execute("ROLLBACK")
+    assert conn.execute("SELECT count(*) FROM effects").fetchone()[0] == 0
+    # Still our claim, not done: the worker releases it and the retry runs.
+    assert store.claim(key, "w2", now_ms=T0 + 2, lease_ms=LEASE) is IN_PROGRESS
+    store.release(key, "w1")
+    assert store.claim(key, "w2", now_ms=T0 + 3, lease_ms=LEASE) is CLAIMED
+
+
+def test_mark_done_in_works_with_pythons_implicit_transactions(tmp_path: Path) -> None:
+    path, key = tmp_path / "app.sqlite3", new_key()
+    with SQLiteStore(path) as store:
+        conn = sqlite3.connect(path)  # default isolation: the INSERT opens a transaction
+        reader = sqlite3.connect(path)
+        try:
+            store.mark_done_in(conn, key, now_ms=T0, retention_ms=RETENTION)
+            assert conn.in_transaction
+            seen = "SELECT count(*) FROM rabbit_delay_idempotency WHERE key = ?"
+            assert reader.execute(seen, (DEFAULT_PREFIX + key,)).fetchone()[0] == 0
+            conn.commit()
+            assert reader.execute(seen, (DEFAULT_PREFIX + key,)).fetchone()[0] == 1
+        finally:
+            conn.close()
+            reader.close()
+        assert store.claim(key, "w", now_ms=T0 + 1, lease_ms=LEASE) is DONE
+
+
+def test_mark_done_in_refuses_an_autocommit_connection(
+    inbox: tuple[SQLiteStore, sqlite3.Connection],
+) -> None:
+    store, conn = inbox
+    with pytest.raises(ValueError, match="autocommit"):
+        store.mark_done_in(conn, new_key(), now_ms=T0, retention_ms=RETENTION)
+    with pytest.raises(ValueError, match="autocommit"):
+        store.cancel_in(conn, new_key(), now_ms=T0, retention_ms=RETENTION)
+
+
+def test_mark_done_in_a_file_without_the_table_fails(tmp_path: Path) -> None:
+    with SQLiteStore(tmp_path / "idem.sqlite3") as store:
+        other = sqlite3.connect(tmp_path / "other.sqlite3", isolation_level=None)
+        other.execute("BEGIN")
+        with pytest.raises(sqlite3.OperationalError, match="no such table"):
+            store.mark_done_in(other, new_key(), now_ms=T0, retention_ms=RETENTION)
+        other.close()
+
+
+def test_cancel_in_commits_with_the_handlers_change(
+    inbox: tuple[SQLiteStore, sqlite3.Connection],
+) -> None:
+    store, conn = inbox
+    timeout_key = new_key()
+    conn.execute("BEGIN IMMEDIATE")
+    store.cancel_in(conn, timeout_key, now_ms=T0, retention_ms=RETENTION)
+    conn.execute("COMMIT")
+    assert store.claim(timeout_key, "w", now_ms=T0 + 1, lease_ms=LEASE) is CANCELLED
+
+
+def test_the_inbox_example_runs() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "inbox_sqlite.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all checks passed" in proc.stdout
+
+
+# -- group commit ------------------------------------------------------------------------
+
+
+class CountingStore(SQLiteStore):
+    batches: list[int]
+
+    def run_batch(self, ops: Any, *, wait: bool = True) -> list[Any]:
+        self.batches.append(len(ops))
+        return super().run_batch(ops, wait=wait)
+
+
+@pytest.fixture
+def counting(tmp_path: Path) -> Iterator[CountingStore]:
+    store = CountingStore(tmp_path / "idem.sqlite3")
+    store.batches = []
+    yield store
+    store.close()
+
+
+async def test_group_commit_shares_one_transaction_per_loop_turn(counting: CountingStore) -> None:
+    store = AsyncSQLiteStore(counting)
+    keys = [new_key() for _ in range(50)]
+    results = await asyncio.gather(*(store.claim(k, "a", now_ms=T0, lease_ms=LEASE) for k in keys))
+    assert results == [CLAIMED] * 50
+    assert counting.batches == [50]
+    await asyncio.gather(*(store.complete(k, "a", now_ms=T0, retention_ms=RETENTION) for k in keys))
+    assert counting.batches == [50, 50]
+    assert all(counting.claim(k, "b", now_ms=T0, lease_ms=LEASE) is DONE for k in keys)
+
+
+async def test_group_commit_skips_an_operation_cancelled_before_its_batch(
+    counting: CountingStore,
+) -> None:
+    store = AsyncSQLiteStore(counting)
+    key = new_key()
+    task = asyncio.ensure_future(store.claim(key, "a", now_ms=T0, lease_ms=LEASE))
+    await asyncio.sleep(0)  # the claim is queued, its batch not yet run
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0)
+    assert counting.claim(key, "b", now_ms=T0, lease_ms=LEASE) is CLAIMED
+
+
+async def test_group_commit_one_failing_operation_fails_alone(counting: CountingStore) -> None:
+    store = AsyncSQLiteStore(counting)
+    good = new_key()
+
+    def broken() -> None:
+        counting._conn.execute("INSERT INTO no_such_table VALUES (1)")
+
+    async def submit_broken() -> None:
+        await store._submit(broken)
+
+    results = await asyncio.gather(
+        store.claim(good, "a", now_ms=T0, lease_ms=LEASE), submit_broken(), return_exceptions=True
+    )
+    assert results[0] is CLAIMED
+    assert isinstance(results[1], sqlite3.OperationalError)
+    assert counting.claim(good, "b", now_ms=T0, lease_ms=LEASE) is IN_PROGRESS
+
+
+async def test_group_commit_does_not_block_the_loop_on_a_busy_file(tmp_path: Path) -> None:
+    path = tmp_path / "app.sqlite3"
+    with SQLiteStore(path) as sync_store:
+        store = AsyncSQLiteStore(sync_store)
+        handler_conn = sqlite3.connect(path, isolation_level=None)
+        handler_conn.execute("BEGIN IMMEDIATE")  # a handler's transaction holds the lock
+        key = new_key()
+        claim = asyncio.ensure_future(store.claim(key, "a", now_ms=T0, lease_ms=LEASE))
+        ticks = 0
+        for _ in range(20):  # the loop keeps turning while the claim waits
+            await asyncio.sleep(0.005)
+            ticks += 1
+        assert not claim.done()
+        handler_conn.execute("COMMIT")
+        assert await asyncio.wait_for(claim, timeout=5) is CLAIMED
+        assert ticks == 20
+        handler_conn.close()
+
+
+async def test_group_commit_gives_up_after_the_busy_timeout(tmp_path: Path) -> None:
+    path = tmp_path / "app.sqlite3"
+    with SQLiteStore(path, busy_timeout_s=0.2) as sync_store:
+        store = AsyncSQLiteStore(sync_store)
+        holder = sqlite3.connect(path, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        try:
+            with pytest.raises(sqlite3.OperationalError, match="locked"):
+                await asyncio.wait_for(
+                    store.claim(new_key(), "a", now_ms=T0, lease_ms=LEASE), timeout=5
+                )
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        # Once free, the store works again.
+        assert await store.claim(new_key(), "a", now_ms=T0, lease_ms=LEASE) is CLAIMED
+
+
+async def test_async_sqlite_close_runs_what_is_pending(tmp_path: Path) -> None:
+    path = tmp_path / "idem.sqlite3"
+    store = AsyncSQLiteStore(SQLiteStore(path))
+    key = new_key()
+    await store.claim(key, "a", now_ms=T0, lease_ms=LEASE)
+    await store.close()
+    with SQLiteStore(path) as again:
+        assert again.claim(key, "b", now_ms=T0, lease_ms=LEASE) is IN_PROGRESS
+
+
+# -- the guards --------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self, now: int = T0) -> None:
+        self.now = now
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def test_guard_runs_the_lifecycle_and_counts_outcomes() -> None:
+    clock = FakeClock()
+    guard = Guard(MemoryStore(), lease_ms=LEASE, retention_ms=RETENTION, clock=clock)
+    key = new_key()
+    assert guard.claim(key, "a") is CLAIMED
+    assert guard.claim(key, "b") is IN_PROGRESS
+    guard.done(key, "a")
+    assert guard.claim(key, "b") is DONE
+    assert guard.claim(key, "c") is DONE
+    guard.cancel("timeout-1")
+    assert guard.claim("timeout-1", "d") is CANCELLED
+    assert guard.stats.as_dict() == {
+        "claimed": 1,
+        "duplicates_skipped": 2,
+        "in_progress_deferred": 1,
+        "cancelled_dropped": 1,
+    }
+    clock.now += RETENTION
+    assert guard.purge() == 2
+    assert guard.claim(key, "e") is CLAIMED
+
+
+def test_guard_failed_releases_the_claim() -> None:
+    guard = Guard(MemoryStore(), lease_ms=LEASE, retention_ms=RETENTION, clock=FakeClock())
+    assert guard.claim("k", "a") is CLAIMED
+    guard.failed("k", "a")
+    assert guard.claim("k", "retry") is CLAIMED
+
+
+def test_guard_uses_lease_and_retention_from_its_clock() -> None:
+    clock = FakeClock()
+    guard = Guard(MemoryStore(), lease_ms=LEASE, retention_ms=RETENTION, clock=clock)
+    assert guard.claim("k", "a") is CLAIMED
+    clock.now += LEASE
+    assert guard.claim("k", "b") is CLAIMED  # the crashed owner's lease is over
+    guard.done("k", "b")
+    clock.now += RETENTION - 1
+    assert guard.claim("k", "c") is DONE
+    clock.now += 1
+    assert guard.claim("k", "c") is CLAIMED
+
+
+def test_guard_cancel_can_outlive_the_retention() -> None:
+    clock = FakeClock()
+    guard = Guard(MemoryStore(), lease_ms=LEASE, retention_ms=RETENTION, clock=clock)
+    guard.cancel("far", retention_ms=10 * RETENTION)
+    clock.now += 5 * RETENTION
+    assert guard.claim("far", "a") is CANCELLED
+
+
+def test_guard_default_clock_is_wall_time() -> None:
+    guard = Guard(MemoryStore(), lease_ms=LEASE, retention_ms=RETENTION)
+    assert guard.claim("k", "a") is CLAIMED
+    guard.done("k", "a")
+    assert guard.claim("k", "b") is DONE
+
+
+@pytest.mark.parametrize(("lease", "retention"), [(0, 1), (1, 0), (-5, 1)])
+def test_guard_rejects_non_positive_durations(lease: int, retention: int) -> None:
+    with pytest.raises(ConfigError, match="must be positive"):
+        Guard(MemoryStore(), lease_ms=lease, retention_ms=retention)
+
+
+def test_guard_rejects_an_empty_key_and_a_bad_tombstone_retention() -> None:
+    guard = Guard(MemoryStore(), lease_ms=LEASE, retention_ms=RETENTION)
+    with pytest.raises(ValueError, match="non-empty"):
+        guard.claim("", "a")
+    with pytest.raises(ValueError, match="non-empty"):
+        guard.cancel("")
+    with pytest.raises(ValueError, match="positive"):
+        guard.cancel("k", retention_ms=0)
+
+
+def test_guard_counts_from_many_threads() -> None:
+    guard = Guard(MemoryStore(), lease_ms=LEASE, retention_ms=RETENTION, clock=FakeClock())
+    guard.claim("k", "holder")
+
+    def hammer() -> None:
+        for i in range(2_000):
+            guard.claim("k", f"other-{i}")
+
+    threads = [threading.Thread(target=hammer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert guard.stats.in_progress_deferred == 16_000
+
+
+async def test_async_guard_runs_the_lifecycle_and_counts_outcomes(tmp_path: Path) -> None:
+    clock = FakeClock()
+    store = as_async(SQLiteStore(tmp_path / "idem.sqlite3"))
+    guard = AsyncGuard(store, lease_ms=LEASE, retention_ms=RETENTION, clock=clock)
+    assert await guard.claim("k", "a") is CLAIMED
+    assert await guard.claim("k", "b") is IN_PROGRESS
+    await guard.failed("k", "a")
+    assert await guard.claim("k", "b") is CLAIMED
+    await guard.done("k", "b")
+    assert await guard.claim("k", "c") is DONE
+    await guard.cancel("t")
+    assert await guard.claim("t", "c") is CANCELLED
+    with pytest.raises(ValueError, match="non-empty"):
+        await guard.claim("", "a")
+    assert guard.stats.as_dict() == {
+        "claimed": 2,
+        "duplicates_skipped": 1,
+        "in_progress_deferred": 1,
+        "cancelled_dropped": 1,
+    }
+    clock.now += RETENTION
+    assert await guard.purge() == 2
+    await store.close()
+
+
+# -- configuration -----------------------------------------------------------------------
+
+
+def test_store_from_config_builds_each_kind(tmp_path: Path) -> None:
+    memory = store_from_config(IdempotencyConfig(store="memory"))
+    assert isinstance(memory, MemoryStore)
+    sqlite = store_from_config(IdempotencyConfig(path=str(tmp_path / "x.sqlite3")))
+    assert isinstance(sqlite, SQLiteStore)
+    assert (tmp_path / "x.sqlite3").exists()
+    sqlite.close()
+    redis_store = store_from_config(IdempotencyConfig(store="redis", url="redis://127.0.0.1:1/0"))
+    assert isinstance(redis_store, RedisStore)  # connects lazily, on first use
+    redis_store.close()
+
+
+async def test_async_store_from_config_builds_each_kind(tmp_path: Path) -> None:
+    sqlite = async_store_from_config(IdempotencyConfig(path=str(tmp_path / "x.sqlite3")))
+    assert isinstance(sqlite, AsyncSQLiteStore)
+    await sqlite.close()
+    memory = async_store_from_config(IdempotencyConfig(store="memory"))
+    assert isinstance(memory, SyncStoreAsAsync)
+    assert isinstance(memory.store, MemoryStore)
+    redis_store = async_store_from_config(IdempotencyConfig(store="redis", url="redis://x:1/0"))
+    assert isinstance(redis_store, AsyncRedisStore)
+    await redis_store.close()
+
+
+def test_as_async_gives_sqlite_group_commit(tmp_path: Path) -> None:
+    with SQLiteStore(tmp_path / "idem.sqlite3") as store:
+        assert isinstance(as_async(store), AsyncSQLiteStore)
+    assert isinstance(as_async(MemoryStore()), SyncStoreAsAsync)
+
+
+def test_needs_purge_says_who_expires_records(tmp_path: Path) -> None:
+    assert MemoryStore().needs_purge
+    with SQLiteStore(tmp_path / "idem.sqlite3") as store:
+        assert store.needs_purge
+        assert as_async(store).needs_purge
+    assert not RedisStore("redis://127.0.0.1:1/0").needs_purge
+
+
+def test_redis_store_without_redis_py_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "redis", None)  # makes `import redis` fail
+    monkeypatch.setitem(sys.modules, "redis.asyncio", None)
+    with pytest.raises(ConfigError, match="rabbit-delay\\[redis\\]"):
+        RedisStore()
+    with pytest.raises(ConfigError, match="rabbit-delay\\[redis\\]"):
+        AsyncRedisStore()
+
+
+def test_importing_the_module_does_not_import_redis() -> None:
+    code = "import sys, rabbit_delay.idempotency; print('redis' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "False"
+
+
+def test_claim_result_values_are_stable() -> None:
+    assert [r.value for r in ClaimResult] == ["claimed", "done", "in_progress", "cancelled"]
+
+
+async def test_guards_from_config(tmp_path: Path) -> None:
+    cfg = IdempotencyConfig(path=str(tmp_path / "x.sqlite3"), lease="30s", retention="1d")
+    guard = Guard.from_config(cfg, clock=FakeClock())
+    assert (guard.lease_ms, guard.retention_ms) == (30_000, 86_400_000)
+    assert isinstance(guard.store, SQLiteStore)
+    assert guard.claim("k", "a") is CLAIMED
+    guard.store.close()
+    async_guard = AsyncGuard.from_config(cfg, clock=FakeClock())
+    assert isinstance(async_guard.store, AsyncSQLiteStore)
+    assert await async_guard.claim("k", "b") is IN_PROGRESS  # same file, a's claim
+    await async_guard.store.close()

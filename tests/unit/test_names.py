@@ -1,0 +1,123 @@
+"""Names: pure, deterministic, versioned, and `Names.parse` inverts every builder."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import pytest
+
+from rabbit_delay import names as h
+from rabbit_delay.names import Names
+
+N = Names("shop", 1)
+
+# (builder, argument or None, expected name, parsed (kind, detail))
+CASES: list[tuple[Callable[..., str], object, str, tuple[str, str]]] = [
+    (N.tier_exchange, "5m", "shop.v1.delay.5m", ("delay", "5m")),
+    (N.tier_queue, "30m", "shop.v1.delay.30m", ("delay", "30m")),
+    (N.due_exchange, None, "shop.v1.due", ("due", "")),
+    (N.unroutable_exchange, None, "shop.v1.unroutable", ("unroutable", "")),
+    (N.unroutable_queue, None, "shop.v1.unroutable", ("unroutable", "")),
+    (N.business_queue, "orders.cancel", "shop.v1.q.orders.cancel", ("q", "orders.cancel")),
+    (N.queue_key, "push", "shop.v1.q.push", ("q", "push")),
+    (N.parking_exchange, None, "shop.v1.parking", ("parking", "")),
+    (
+        N.parking_queue,
+        "orders.cancel",
+        "shop.v1.parking.orders.cancel",
+        ("parking", "orders.cancel"),
+    ),
+    (N.cascade_exchange, 3, "shop.v1.cascade.03", ("cascade", "03")),
+    (N.cascade_queue, 17, "shop.v1.cascade.17", ("cascade", "17")),
+    (N.cascade_entry_exchange, 5, "shop.v1.cascade.05.in", ("cascade", "05.in")),
+    (N.cascade_deliver_exchange, None, "shop.v1.cascade.deliver", ("cascade", "deliver")),
+    (N.plugin_exchange, None, "shop.v1.delayed", ("delayed", "")),
+]
+
+
+def build(builder: Callable[..., str], arg: object) -> str:
+    return builder() if arg is None else builder(arg)
+
+
+@pytest.mark.parametrize(("builder", "arg", "expected", "parsed"), CASES)
+def test_builders_and_parse_round_trip(
+    builder: Callable[..., str], arg: object, expected: str, parsed: tuple[str, str]
+) -> None:
+    name = build(builder, arg)
+    assert name == expected
+    assert build(builder, arg) == name  # deterministic
+    assert N.parse(name) == parsed
+
+
+def test_parse_round_trips_every_public_builder() -> None:
+    """A builder added later without a CASES row fails here."""
+    builders = {
+        attr
+        for attr in dir(Names)
+        if not attr.startswith("_") and callable(getattr(Names, attr)) and attr != "parse"
+    }
+    covered = {builder.__name__ for builder, *_ in CASES}
+    assert builders == covered
+
+
+def test_same_inputs_same_names_in_another_instance() -> None:
+    other = Names("shop", 1)
+    assert other == N
+    assert hash(other) == hash(N)
+    for builder, arg, expected, _ in CASES:
+        assert build(getattr(other, builder.__name__), arg) == expected
+
+
+def test_version_segment_separates_topologies() -> None:
+    v2 = Names("shop", 2)
+    assert v2.prefix == "shop.v2"
+    assert v2.tier_queue("5m") == "shop.v2.delay.5m"
+    assert v2.tier_queue("5m") != N.tier_queue("5m")
+    with pytest.raises(ValueError, match=r"not in namespace 'shop\.v1'"):
+        N.parse(v2.due_exchange())
+    # v1 must not claim v10's names.
+    with pytest.raises(ValueError, match="not in namespace"):
+        N.parse(Names("shop", 10).due_exchange())
+
+
+def test_default_version_is_one() -> None:
+    assert Names("shop").prefix == "shop.v1"
+
+
+def test_names_are_immutable() -> None:
+    with pytest.raises(AttributeError):
+        N.namespace = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "other.v1.due",
+        "shop.v1",
+        "shop.v1.",
+        "shop.v1.due.extra",
+        "shop.v1.delayed.x",
+        "shop.v1.unroutable.x",
+        "shop.v1.delay",
+        "shop.v1.q",
+        "shop.v1.cascade",
+        "shop.v1.nonsense.x",
+    ],
+)
+def test_parse_refuses_foreign_names(name: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(repr(name))):
+        N.parse(name)
+
+
+def test_headers_are_the_projects_own_not_x() -> None:
+    ours = [
+        value for key, value in vars(h).items() if key.startswith("H_") and key != "H_PLUGIN_DELAY"
+    ]
+    assert ours, "no header constants found"
+    assert all(value.startswith("rd-") for value in ours)
+    assert len(set(ours)) == len(ours)
+    assert h.H_DUE_AT == "rd-due-at"
+    assert h.H_TIER == "rd-tier"
+    assert h.H_ATTEMPT == "rd-attempt"
+    assert h.H_PLUGIN_DELAY == "x-delay"

@@ -1,0 +1,567 @@
+"""The declaration plan: what is wanted, how it compares, and the two-phase program."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from rabbit_delay.errors import ArgumentConflict, DeclarationConflict
+from rabbit_delay.plan import (
+    Action,
+    Bind,
+    BindingSpec,
+    Declare,
+    DeclareReport,
+    Desired,
+    ExchangeSpec,
+    ExistingObject,
+    Exists,
+    Kind,
+    Observed,
+    Operation,
+    QueueSpec,
+    conflict_from_reply,
+    declare_program,
+    desired,
+    make_plan,
+    plan_from_presence,
+)
+from rabbit_delay.topology import Topology, topology_from_dict
+
+QUORUM_DLX = {
+    "x-queue-type": "quorum",
+    "x-dead-letter-strategy": "at-least-once",
+    "x-overflow": "reject-publish",
+}
+
+
+def shop(queue_type: str = "quorum", **extra: Any) -> Topology:
+    return topology_from_dict(
+        {
+            "namespace": "shop",
+            "queue_type": queue_type,
+            "tiers": {"1s": "1s", "3s": "3s"},
+            "queues": {
+                "orders.cancel": {"delivery_limit": 5},
+                "push": {"bindings": ["push.any"]},
+            },
+            **extra,
+        }
+    )
+
+
+EXPECTED_EXCHANGES = {
+    "shop.v1.unroutable": ("fanout", {}),
+    "shop.v1.due": ("direct", {"alternate-exchange": "shop.v1.unroutable"}),
+    "shop.v1.parking": ("direct", {"alternate-exchange": "shop.v1.unroutable"}),
+    "shop.v1.delay.1s": ("fanout", {}),
+    "shop.v1.delay.3s": ("fanout", {}),
+}
+
+EXPECTED_BINDINGS = {
+    ("shop.v1.unroutable", "shop.v1.unroutable", "queue", ""),
+    ("shop.v1.delay.1s", "shop.v1.delay.1s", "queue", ""),
+    ("shop.v1.delay.3s", "shop.v1.delay.3s", "queue", ""),
+    ("shop.v1.due", "shop.v1.q.orders.cancel", "queue", "shop.v1.q.orders.cancel"),
+    ("shop.v1.due", "shop.v1.q.push", "queue", "shop.v1.q.push"),
+    ("shop.v1.due", "shop.v1.q.push", "queue", "push.any"),
+    ("shop.v1.parking", "shop.v1.parking.orders.cancel", "queue", "shop.v1.q.orders.cancel"),
+    ("shop.v1.parking", "shop.v1.parking.push", "queue", "shop.v1.q.push"),
+}
+
+
+def binding_keys(want: Desired) -> set[tuple[str, str, str, str]]:
+    return {
+        (b.source, b.destination, b.destination_type.value, b.routing_key) for b in want.bindings
+    }
+
+
+# -- desired --------------------------------------------------------------------------------
+
+
+def test_desired_quorum_exactly() -> None:
+    want = desired(shop())
+    assert {e.name: (e.type, dict(e.arguments)) for e in want.exchanges} == EXPECTED_EXCHANGES
+    assert all(e.durable for e in want.exchanges)
+    assert {q.name: dict(q.arguments) for q in want.queues} == {
+        "shop.v1.unroutable": {"x-queue-type": "quorum"},
+        "shop.v1.delay.1s": {
+            **QUORUM_DLX,
+            "x-dead-letter-exchange": "shop.v1.due",
+            "x-message-ttl": 1000,
+        },
+        "shop.v1.delay.3s": {
+            **QUORUM_DLX,
+            "x-dead-letter-exchange": "shop.v1.due",
+            "x-message-ttl": 3000,
+        },
+        "shop.v1.q.orders.cancel": {
+            **QUORUM_DLX,
+            "x-dead-letter-exchange": "shop.v1.parking",
+            "x-delivery-limit": 5,
+        },
+        "shop.v1.q.push": {
+            **QUORUM_DLX,
+            "x-dead-letter-exchange": "shop.v1.parking",
+            "x-delivery-limit": 10,
+        },
+        "shop.v1.parking.orders.cancel": {"x-queue-type": "quorum"},
+        "shop.v1.parking.push": {"x-queue-type": "quorum"},
+    }
+    assert all(q.durable for q in want.queues)
+    assert binding_keys(want) == EXPECTED_BINDINGS
+    assert len(want.bindings) == len(EXPECTED_BINDINGS)  # no duplicates
+
+
+def test_desired_classic_exactly() -> None:
+    want = desired(shop("classic"))
+    assert {e.name: (e.type, dict(e.arguments)) for e in want.exchanges} == EXPECTED_EXCHANGES
+    assert {q.name: dict(q.arguments) for q in want.queues} == {
+        "shop.v1.unroutable": {},
+        "shop.v1.delay.1s": {"x-dead-letter-exchange": "shop.v1.due", "x-message-ttl": 1000},
+        "shop.v1.delay.3s": {"x-dead-letter-exchange": "shop.v1.due", "x-message-ttl": 3000},
+        "shop.v1.q.orders.cancel": {"x-dead-letter-exchange": "shop.v1.parking"},
+        "shop.v1.q.push": {"x-dead-letter-exchange": "shop.v1.parking"},
+        "shop.v1.parking.orders.cancel": {},
+        "shop.v1.parking.push": {},
+    }
+    assert binding_keys(want) == EXPECTED_BINDINGS
+
+
+def test_tier_buffers_are_the_only_queues_with_a_ttl() -> None:
+    for queue in desired(shop()).queues:
+        has_ttl = "x-message-ttl" in queue.arguments
+        assert has_ttl == (".delay." in queue.name), queue.name
+
+
+def test_exchanges_come_before_queues_and_the_dlx_exists_first() -> None:
+    want = desired(shop())
+    kinds = [spec.kind for spec in want.objects]
+    assert kinds == sorted(kinds, key=lambda k: k is Kind.QUEUE)
+    position = {spec.name + spec.kind: i for i, spec in enumerate(want.objects)}
+    for queue in want.queues:
+        dlx = queue.arguments.get("x-dead-letter-exchange")
+        if dlx is not None:
+            assert position[str(dlx) + Kind.EXCHANGE] < position[queue.name + Kind.QUEUE]
+
+
+def test_desired_is_deterministic() -> None:
+    assert desired(shop()) == desired(shop())
+
+
+def test_binding_names_are_readable() -> None:
+    b = BindingSpec("shop.v1.due", "shop.v1.q.push", "push.any")
+    assert b.name == "shop.v1.due -> shop.v1.q.push [push.any]"
+    e = BindingSpec("a", "b", "#", Kind.EXCHANGE)
+    assert e.name == "a => b [#]"
+
+
+# -- make_plan --------------------------------------------------------------------------------
+
+
+def observed_from(
+    want: Desired,
+    *,
+    bindings: bool = True,
+    exchanges: Mapping[str, ExistingObject | None] | None = None,
+    queues: Mapping[str, ExistingObject | None] | None = None,
+) -> Observed:
+    """An Observed where everything is as wanted, except the objects given (None: missing)."""
+    have_exchanges = {
+        e.name: ExistingObject(dict(e.arguments), e.durable, e.type) for e in want.exchanges
+    }
+    have_queues = {q.name: ExistingObject(dict(q.arguments), q.durable) for q in want.queues}
+    for table, changes in ((have_exchanges, exchanges), (have_queues, queues)):
+        for name, obj in (changes or {}).items():
+            if obj is None:
+                del table[name]
+            else:
+                table[name] = obj
+    return Observed(
+        have_exchanges, have_queues, frozenset(binding_keys(want)) if bindings else None
+    )
+
+
+def test_plan_everything_missing() -> None:
+    want = desired(shop())
+    plan = make_plan(want, Observed({}, {}, frozenset()))
+    assert {i.action for i in plan.items} == {Action.CREATE}
+    assert len(plan.items) == len(want.exchanges) + len(want.queues) + len(want.bindings)
+    assert not plan.in_sync
+    assert plan.pending == plan.items
+    assert plan.conflicts == ()
+
+
+def test_plan_everything_in_place() -> None:
+    want = desired(shop())
+    plan = make_plan(want, observed_from(want))
+    assert {i.action for i in plan.items} == {Action.IN_PLACE}
+    assert plan.in_sync
+
+
+def test_plan_bindings_unknown_without_binding_list() -> None:
+    want = desired(shop())
+    plan = make_plan(want, observed_from(want, bindings=False))
+    assert {i.action for i in plan.items if i.kind is Kind.BINDING} == {Action.ENSURE}
+    assert plan.in_sync  # an ensure is not pending: binding is idempotent
+
+
+def test_plan_create_in_place_and_conflict() -> None:
+    want = desired(shop())
+    observed = observed_from(
+        want,
+        queues={
+            "shop.v1.delay.1s": ExistingObject(
+                {**QUORUM_DLX, "x-dead-letter-exchange": "shop.v1.due", "x-message-ttl": 5000}
+            ),
+            "shop.v1.delay.3s": ExistingObject({"x-message-ttl": 3000}),  # classic, no DLX
+            "shop.v1.parking.push": None,
+            "shop.v1.unroutable": ExistingObject({"x-queue-type": "quorum"}, durable=False),
+        },
+        exchanges={"shop.v1.due": ExistingObject({}, True, "topic")},
+    )
+    plan = make_plan(want, observed)
+    by_name = {(i.kind, i.name): i for i in plan.items}
+    assert by_name[(Kind.QUEUE, "shop.v1.parking.push")].action is Action.CREATE
+    assert by_name[(Kind.QUEUE, "shop.v1.q.push")].action is Action.IN_PLACE
+    assert by_name[(Kind.EXCHANGE, "shop.v1.unroutable")].action is Action.IN_PLACE
+
+    ttl = by_name[(Kind.QUEUE, "shop.v1.delay.1s")]
+    assert ttl.action is Action.CONFLICT
+    assert ttl.conflicts == (
+        ArgumentConflict("queue", "shop.v1.delay.1s", "x-message-ttl", 5000, 1000),
+    )
+
+    classic = by_name[(Kind.QUEUE, "shop.v1.delay.3s")]
+    assert classic.action is Action.CONFLICT
+    assert set(classic.conflicts) == {
+        ArgumentConflict(
+            "queue", "shop.v1.delay.3s", "x-dead-letter-exchange", None, "shop.v1.due"
+        ),
+        ArgumentConflict(
+            "queue", "shop.v1.delay.3s", "x-dead-letter-strategy", None, "at-least-once"
+        ),
+        ArgumentConflict("queue", "shop.v1.delay.3s", "x-overflow", None, "reject-publish"),
+        ArgumentConflict("queue", "shop.v1.delay.3s", "x-queue-type", None, "quorum"),
+    }
+
+    due = by_name[(Kind.EXCHANGE, "shop.v1.due")]
+    assert due.conflicts == (
+        ArgumentConflict("exchange", "shop.v1.due", "type", "topic", "direct"),
+        ArgumentConflict(
+            "exchange", "shop.v1.due", "alternate-exchange", None, "shop.v1.unroutable"
+        ),
+    )
+
+    lot = by_name[(Kind.QUEUE, "shop.v1.unroutable")]
+    assert lot.conflicts == (
+        ArgumentConflict("queue", "shop.v1.unroutable", "durable", False, True),
+    )
+
+    assert set(plan.conflicts) == {
+        *ttl.conflicts,
+        *classic.conflicts,
+        *due.conflicts,
+        *lot.conflicts,
+    }
+    assert {i.name for i in plan.pending} == {
+        "shop.v1.parking.push",
+        "shop.v1.delay.1s",
+        "shop.v1.delay.3s",
+        "shop.v1.due",
+        "shop.v1.unroutable",
+    }
+    assert not plan.in_sync
+
+
+def test_extra_argument_on_the_broker_is_a_conflict() -> None:
+    want = desired(shop())
+    extra = ExistingObject({"x-queue-type": "quorum", "x-max-length": 10})
+    plan = make_plan(want, observed_from(want, queues={"shop.v1.parking.push": extra}))
+    assert plan.conflicts == (
+        ArgumentConflict("queue", "shop.v1.parking.push", "x-max-length", 10, None),
+    )
+
+
+def test_conflict_describe_names_object_argument_and_both_values() -> None:
+    text = ArgumentConflict("queue", "shop.v1.delay.1s", "x-message-ttl", 5000, 1000).describe()
+    assert text == (
+        "queue 'shop.v1.delay.1s': argument 'x-message-ttl' is 5000 on the broker "
+        "but the topology wants 1000"
+    )
+    error = DeclarationConflict([ArgumentConflict("queue", "q", "x-message-ttl", 5000, 1000)])
+    assert "queue 'q'" in str(error)
+    assert "Nothing was changed" in str(error)
+    assert error.conflicts[0].wanted == 1000
+
+
+def test_plan_from_presence() -> None:
+    want = desired(shop())
+    # The 3s buffer queue is missing but its exchange (same name) is there.
+    missing = (Kind.QUEUE, "shop.v1.delay.3s")
+    present = {(spec.kind, spec.name): (spec.kind, spec.name) != missing for spec in want.objects}
+    plan = plan_from_presence(want, present)
+    actions = {(i.kind, i.name): i.action for i in plan.items}
+    assert actions[missing] is Action.CREATE
+    assert actions[(Kind.EXCHANGE, "shop.v1.delay.3s")] is Action.PRESENT
+    assert {a for (k, _), a in actions.items() if k is Kind.BINDING} == {Action.ENSURE}
+    assert [(i.kind, i.name) for i in plan.pending] == [missing]
+
+
+# -- conflict_from_reply (texts as RabbitMQ 3.10 sends them) --------------------------------
+
+QUEUE_1S = QueueSpec(
+    "t.v1.delay.1s", {**QUORUM_DLX, "x-dead-letter-exchange": "t.v1.due", "x-message-ttl": 1000}
+)
+
+
+@pytest.mark.parametrize(
+    ("spec", "reply", "argument", "on_broker", "wanted"),
+    [
+        (
+            QUEUE_1S,
+            "PRECONDITION_FAILED - inequivalent arg 'x-message-ttl' for queue 't.v1.delay.1s' "
+            "in vhost '/': received '1000' but current is '5000'",
+            "x-message-ttl",
+            5000,
+            1000,
+        ),
+        (
+            QUEUE_1S,
+            "PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue 't.v1.delay.1s' "
+            "in vhost '/': received the value 'quorum' of type 'longstr' but current is none",
+            "x-queue-type",
+            None,
+            "quorum",
+        ),
+        (
+            QueueSpec("c", {}),
+            "PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue 'c' in vhost '/': "
+            "received none but current is the value 'quorum' of type 'longstr'",
+            "x-queue-type",
+            "quorum",
+            None,
+        ),
+        (
+            QUEUE_1S,
+            "PRECONDITION_FAILED - inequivalent arg 'x-message-ttl' for queue 't.v1.delay.1s' "
+            "in vhost '/': received the value '1000' of type 'signedint' but current is the "
+            "value '5000' of type 'long'",
+            "x-message-ttl",
+            5000,
+            1000,
+        ),
+        (
+            ExchangeSpec("t.v1.due", "direct", {"alternate-exchange": "t.v1.unroutable"}),
+            "PRECONDITION_FAILED - inequivalent arg 'type' for exchange 't.v1.due' in vhost '/': "
+            "received 'direct' but current is 'fanout'",
+            "type",
+            "fanout",
+            "direct",
+        ),
+        (
+            ExchangeSpec("t.v1.due", "direct", {"alternate-exchange": "t.v1.unroutable"}),
+            "PRECONDITION_FAILED - inequivalent arg 'alternate-exchange' for exchange "
+            "'t.v1.due' in vhost '/': received 't.v1.unroutable' but current is 'zz'",
+            "alternate-exchange",
+            "zz",
+            "t.v1.unroutable",
+        ),
+        (
+            QueueSpec("d", {}),
+            "PRECONDITION_FAILED - inequivalent arg 'durable' for queue 'd' in vhost '/': "
+            "received 'true' but current is 'false'",
+            "durable",
+            False,
+            True,
+        ),
+    ],
+)
+def test_conflict_from_reply(
+    spec: QueueSpec | ExchangeSpec, reply: str, argument: str, on_broker: object, wanted: object
+) -> None:
+    assert conflict_from_reply(spec, reply) == ArgumentConflict(
+        spec.kind.value, spec.name, argument, on_broker, wanted
+    )
+
+
+def test_conflict_from_an_unexpected_reply_keeps_the_text() -> None:
+    conflict = conflict_from_reply(QueueSpec("q"), "PRECONDITION_FAILED - something new")
+    assert conflict.argument == "?"
+    assert conflict.on_broker == "PRECONDITION_FAILED - something new"
+
+
+# -- declare_program driven by a fake executor ---------------------------------------------
+
+
+@dataclass
+class FakeBroker:
+    """Executes a declaration program like a broker would, recording every operation."""
+
+    objects: dict[tuple[Kind, str], Mapping[str, object]] = field(default_factory=dict)
+    bindings: set[str] = field(default_factory=set)
+    log: list[tuple[str, str]] = field(default_factory=list)
+
+    def run(self, program: Any) -> DeclareReport:
+        try:
+            op: Operation = next(program)
+            while True:
+                op = program.send(self.execute(op))
+        except StopIteration as stop:
+            report: DeclareReport = stop.value
+            return report
+
+    def execute(self, op: Operation) -> object:
+        if isinstance(op, Bind):
+            self.log.append(("bind", op.spec.name))
+            self.bindings.add(op.spec.name)
+            return None
+        key = (op.spec.kind, op.spec.name)
+        if isinstance(op, Exists):
+            self.log.append(("exists", op.spec.name))
+            return key in self.objects
+        assert isinstance(op, Declare)
+        existing = self.objects.get(key)
+        if existing is None:
+            self.log.append(("create", op.spec.name))
+            self.objects[key] = dict(op.spec.arguments)
+            return None
+        self.log.append(("redeclare", op.spec.name))
+        for arg in sorted(set(existing) | set(op.spec.arguments)):
+            if existing.get(arg) != op.spec.arguments.get(arg):
+                have, want = existing.get(arg), op.spec.arguments.get(arg)
+                received = "none" if want is None else f"'{want}'"
+                current = "none" if have is None else f"'{have}'"
+                return (
+                    f"PRECONDITION_FAILED - inequivalent arg '{arg}' for {op.spec.kind.value} "
+                    f"'{op.spec.name}' in vhost '/': received {received} but current is {current}"
+                )
+        return None
+
+    @property
+    def created(self) -> list[str]:
+        return [name for what, name in self.log if what == "create"]
+
+
+def test_program_on_an_empty_broker_creates_everything() -> None:
+    want = desired(shop())
+    broker = FakeBroker()
+    report = broker.run(declare_program(want))
+    assert len(broker.created) == len(want.objects)
+    assert broker.bindings == {b.name for b in want.bindings}
+    assert report.changed
+    assert {i.name for i in report.created} == {s.name for s in want.objects}
+    # every object is probed before the first create
+    first_create = next(i for i, (what, _) in enumerate(broker.log) if what == "create")
+    assert sum(1 for what, _ in broker.log[:first_create] if what == "exists") == len(want.objects)
+
+
+def test_program_twice_is_a_no_op() -> None:
+    want = desired(shop())
+    broker = FakeBroker()
+    broker.run(declare_program(want))
+    broker.log.clear()
+    report = broker.run(declare_program(want))
+    assert broker.created == []
+    assert not report.changed
+    assert {i.action for i in report.items if i.kind is not Kind.BINDING} == {Action.IN_PLACE}
+    assert {i.action for i in report.items if i.kind is Kind.BINDING} == {Action.ENSURE}
+
+
+def test_program_with_observed_needs_no_probe_and_skips_bindings_in_place() -> None:
+    want = desired(shop())
+    broker = FakeBroker()
+    report = broker.run(declare_program(want, observed_from(want)))
+    assert broker.log == []
+    assert not report.changed
+    assert {i.action for i in report.items} == {Action.IN_PLACE}
+
+
+def test_program_with_observed_creates_only_what_is_missing() -> None:
+    want = desired(shop())
+    observed = observed_from(want, queues={"shop.v1.parking.push": None})
+    broker = FakeBroker()
+    report = broker.run(declare_program(want, observed))
+    assert broker.created == ["shop.v1.parking.push"]
+    assert [i.name for i in report.created] == ["shop.v1.parking.push"]
+
+
+@pytest.mark.parametrize("use_observed", [False, True], ids=["passive", "management"])
+def test_conflict_raises_before_any_create(use_observed: bool) -> None:
+    want = desired(shop())
+    broker = FakeBroker()
+    # only the 1s buffer exists, with another TTL; everything else is missing
+    broker.objects[(Kind.QUEUE, "shop.v1.delay.1s")] = {
+        **QUORUM_DLX,
+        "x-dead-letter-exchange": "shop.v1.due",
+        "x-message-ttl": 5000,
+    }
+    observed = None
+    if use_observed:
+        observed = Observed(
+            {},
+            {"shop.v1.delay.1s": ExistingObject(broker.objects[(Kind.QUEUE, "shop.v1.delay.1s")])},
+            frozenset(),
+        )
+    program = declare_program(want, observed)
+    with pytest.raises(DeclarationConflict) as info:
+        broker.run(program)
+    assert broker.created == []
+    assert broker.bindings == set()
+    assert info.value.conflicts == (
+        ArgumentConflict("queue", "shop.v1.delay.1s", "x-message-ttl", 5000, 1000),
+    )
+    message = str(info.value)
+    assert "shop.v1.delay.1s" in message
+    assert "x-message-ttl" in message
+    assert "5000" in message
+    assert "1000" in message
+
+
+def test_conflicts_of_several_objects_are_all_reported() -> None:
+    want = desired(shop())
+    broker = FakeBroker()
+    broker.objects[(Kind.QUEUE, "shop.v1.delay.3s")] = {"x-message-ttl": 3000}
+    broker.objects[(Kind.EXCHANGE, "shop.v1.due")] = {}
+    with pytest.raises(DeclarationConflict) as info:
+        broker.run(declare_program(want))
+    assert {c.name for c in info.value.conflicts} == {"shop.v1.delay.3s", "shop.v1.due"}
+    assert broker.created == []
+
+
+def test_concurrent_creation_with_other_arguments_is_a_conflict() -> None:
+    """Missing at the check, created differently by someone else before our create."""
+    want = desired(shop())
+    broker = FakeBroker()
+    program = declare_program(want, Observed({}, {}, frozenset()))
+    broker.objects[(Kind.EXCHANGE, "shop.v1.unroutable")] = {"x-other": 1}
+    with pytest.raises(DeclarationConflict, match=r"shop\.v1\.unroutable"):
+        broker.run(program)
+
+
+@pytest.mark.parametrize("use_observed", [False, True], ids=["passive", "management"])
+@pytest.mark.parametrize("missing", [Kind.EXCHANGE, Kind.QUEUE])
+def test_an_exchange_and_a_queue_of_the_same_name_are_told_apart(
+    use_observed: bool, missing: Kind
+) -> None:
+    """A tier's exchange and buffer queue share a name: one missing is created, the other kept."""
+    want = desired(shop())
+    broker = FakeBroker()
+    broker.run(declare_program(want))
+    del broker.objects[(missing, "shop.v1.delay.1s")]
+    broker.log.clear()
+    observed = None
+    if use_observed:
+        gone: dict[str, ExistingObject | None] = {"shop.v1.delay.1s": None}
+        observed = observed_from(
+            want,
+            exchanges=gone if missing is Kind.EXCHANGE else None,
+            queues=gone if missing is Kind.QUEUE else None,
+        )
+    report = broker.run(declare_program(want, observed))
+    assert (missing, "shop.v1.delay.1s") in broker.objects
+    assert broker.created == ["shop.v1.delay.1s"]
+    assert [(i.kind, i.name) for i in report.created] == [(missing, "shop.v1.delay.1s")]

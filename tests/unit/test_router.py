@@ -1,0 +1,195 @@
+"""The router and PublisherCore.route: everything that can be refused is refused before sending."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from rabbit_delay.delays import Route, Router
+from rabbit_delay.errors import DelayError, PublishError, UnknownTargetError
+from rabbit_delay.publishing import PublisherCore
+from rabbit_delay.topology import Topology, topology_from_dict
+
+
+@pytest.fixture
+def topology() -> Topology:
+    return topology_from_dict(
+        {
+            "namespace": "shop",
+            "tiers": {"5m": "5m", "30m": "30m", "2h": "2h"},
+            "queues": {
+                "orders.cancel": {"tiers": ["30m"], "bindings": ["order.timeout", "shared"]},
+                "push": {"bindings": ["shared"]},  # every tier
+            },
+        }
+    )
+
+
+@pytest.fixture
+def core(topology: Topology) -> PublisherCore:
+    return PublisherCore(topology)
+
+
+def test_tier_route(core: PublisherCore) -> None:
+    route = core.route("30m", queue="orders.cancel")
+    assert route == Route(
+        exchange="shop.v1.delay.30m",
+        routing_key="shop.v1.q.orders.cancel",
+        tier="30m",
+        delay_ms=1_800_000,
+        target="shop.v1.q.orders.cancel",
+    )
+    assert route.mandatory is True
+    assert route.headers == {}
+
+
+def test_binding_key_route(core: PublisherCore) -> None:
+    route = core.route("30m", routing_key="order.timeout")
+    assert (route.exchange, route.routing_key, route.target) == (
+        "shop.v1.delay.30m",
+        "order.timeout",
+        "order.timeout",
+    )
+
+
+def test_unknown_tier(core: PublisherCore) -> None:
+    with pytest.raises(
+        DelayError, match=r"unknown tier '1h'; the topology's tiers are: 5m, 30m, 2h"
+    ):
+        core.route("1h", queue="push")
+
+
+def test_unknown_queue(core: PublisherCore) -> None:
+    with pytest.raises(
+        UnknownTargetError, match=r"unknown queue 'orders'; .* has: orders.cancel, push"
+    ):
+        core.route("5m", queue="orders")
+
+
+def test_unknown_routing_key(core: PublisherCore) -> None:
+    with pytest.raises(
+        UnknownTargetError, match=r"no queue is bound with routing key 'nope'.*order.timeout"
+    ):
+        core.route("5m", routing_key="nope")
+
+
+@pytest.mark.parametrize(
+    ("queue", "routing_key"),
+    [(None, None), ("push", "shared")],
+)
+def test_exactly_one_target(
+    core: PublisherCore, queue: str | None, routing_key: str | None
+) -> None:
+    with pytest.raises(UnknownTargetError, match="exactly one target"):
+        core.route("5m", queue=queue, routing_key=routing_key)
+
+
+def test_tier_not_allowed_for_the_queue(core: PublisherCore) -> None:
+    with pytest.raises(
+        DelayError, match=r"queue 'orders.cancel' does not accept tier '5m'; it accepts: 30m"
+    ):
+        core.route("5m", queue="orders.cancel")
+
+
+def test_tier_not_allowed_for_one_queue_behind_a_shared_key(core: PublisherCore) -> None:
+    assert core.route("30m", routing_key="shared").tier == "30m"
+    with pytest.raises(DelayError, match=r"'orders\.cancel' does not accept tier '2h'"):
+        core.route("2h", routing_key="shared")
+
+
+@pytest.mark.parametrize(
+    "delay", [timedelta(minutes=5), 300, 300.0, "5m", timedelta(seconds=299, microseconds=999_999)]
+)
+def test_delay_matching_a_tier(core: PublisherCore, delay: timedelta | float | str) -> None:
+    route = core.route(queue="push", delay=delay)
+    assert route.tier == "5m"
+    assert route.exchange == "shop.v1.delay.5m"
+    assert route.delay_ms == 300_000
+
+
+def test_delay_matching_a_tier_the_queue_refuses(core: PublisherCore) -> None:
+    with pytest.raises(DelayError, match=r"'orders\.cancel' does not accept tier '5m'"):
+        core.route(queue="orders.cancel", delay=timedelta(minutes=5))
+
+
+@pytest.mark.parametrize("delay", [timedelta(minutes=7), 1, 299.5, timedelta(0)])
+def test_delay_matching_no_tier_lists_the_tiers(
+    core: PublisherCore, delay: timedelta | float
+) -> None:
+    with pytest.raises(DelayError) as info:
+        core.route(queue="push", delay=delay)
+    message = str(info.value)
+    assert "no tier has a delay of" in message
+    assert "5m=5m" in message
+    assert "30m=30m" in message
+    assert "2h=2h" in message
+    assert "[cascade]" in message
+
+
+def test_tier_and_the_same_delay_agree(core: PublisherCore) -> None:
+    assert core.route("5m", queue="push", delay=300).tier == "5m"
+    with pytest.raises(DelayError, match="either a tier or a delay"):
+        core.route("5m", queue="push", delay=60)
+
+
+def test_neither_tier_nor_delay(core: PublisherCore) -> None:
+    with pytest.raises(DelayError, match="give a tier"):
+        core.route(queue="push")
+
+
+@pytest.mark.parametrize("delay", [-1, timedelta(seconds=-300), -0.001])
+def test_negative_delay(core: PublisherCore, delay: timedelta | float) -> None:
+    with pytest.raises(DelayError, match="negative"):
+        core.route(queue="push", delay=delay)
+
+
+def test_negative_delay_ms_at_the_router(topology: Topology) -> None:
+    router = Router(topology)
+    with pytest.raises(DelayError, match="negative"):
+        router.resolve(router.target_key("push", None), delay_ms=-5)
+
+
+@pytest.mark.parametrize("delay", [timedelta(days=60), 10**9])
+def test_too_long_delay(core: PublisherCore, delay: timedelta | int) -> None:
+    with pytest.raises(DelayError, match="no tier has a delay of"):
+        core.route(queue="push", delay=delay)
+
+
+@pytest.mark.parametrize("delay", [float("nan"), float("inf"), True, "5 minutes"])
+def test_malformed_delay(core: PublisherCore, delay: object) -> None:
+    with pytest.raises(DelayError, match="duration"):
+        core.route(queue="push", delay=delay)  # type: ignore[arg-type]
+
+
+def test_at_in_the_future_matching_a_tier(core: PublisherCore) -> None:
+    now = 1_700_000_000_000
+    at = datetime.fromtimestamp(now / 1000, UTC) + timedelta(minutes=30)
+    assert core.route(queue="push", at=at, now=now).tier == "30m"
+
+
+def test_at_in_the_past(core: PublisherCore) -> None:
+    with pytest.raises(DelayError, match="in the past"):
+        core.route(queue="push", at=datetime.now(UTC) - timedelta(seconds=1))
+
+
+def test_at_naive(core: PublisherCore) -> None:
+    with pytest.raises(DelayError, match="no timezone"):
+        core.route(queue="push", at=datetime.now() + timedelta(minutes=5))
+
+
+def test_at_and_delay(core: PublisherCore) -> None:
+    with pytest.raises(DelayError, match="either delay= or at="):
+        core.route(queue="push", delay=300, at=datetime.now(UTC) + timedelta(minutes=5))
+
+
+def test_refusals_are_publish_errors_and_value_errors() -> None:
+    for cls in (DelayError, UnknownTargetError):
+        assert issubclass(cls, PublishError)
+        assert issubclass(cls, ValueError)
+
+
+def test_queues_for_key(topology: Topology) -> None:
+    router = Router(topology)
+    assert router.queues_for_key("shared") == ("orders.cancel", "push")
+    assert router.queues_for_key("shop.v1.q.push") == ("push",)

@@ -1,0 +1,268 @@
+"""Topology files: validation errors name the file, the field path and the allowed keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rabbit_delay.errors import ConfigError, TopologyError
+from rabbit_delay.topology import QueueType, Topology, load_topology, topology_from_dict
+
+ROOT = Path(__file__).resolve().parents[2]
+
+BASE = """\
+namespace = "shop"
+
+[tiers]
+1s = "1s"
+5m = "5m"
+
+[queues."orders.cancel"]
+tiers = ["5m"]
+bindings = ["order.timeout"]
+[queues."orders.cancel".retry]
+max_attempts = 3
+tiers = ["1s", "5m"]
+
+[queues.push]
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "topo.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def load_error(tmp_path: Path, text: str) -> str:
+    path = write(tmp_path, text)
+    with pytest.raises(TopologyError) as info:
+        load_topology(path)
+    message = str(info.value)
+    assert str(path) in message, "the error must name the file"
+    return message
+
+
+def minimal(**overrides: Any) -> dict[str, Any]:
+    data: dict[str, Any] = {"namespace": "shop", "tiers": {"1s": "1s"}, "queues": {"a": {}}}
+    data.update(overrides)
+    return data
+
+
+# -- the shipped example -----------------------------------------------------------------
+
+
+def test_loading_the_shipped_orders_topology() -> None:
+    topology = load_topology(ROOT / "topology" / "orders.toml")
+    assert topology.namespace == "shop"
+    assert topology.version == 1
+    assert topology.queue_type is QueueType.QUORUM
+    assert topology.tiers == {"5m": 300_000, "30m": 1_800_000, "2h": 7_200_000}
+    assert set(topology.queues) == {"orders.cancel-unpaid", "coupons.expire", "push.send"}
+    cancel = topology.queues["orders.cancel-unpaid"]
+    assert cancel.tiers == ("30m",)
+    assert cancel.bindings == ("order.payment-timeout",)
+    assert cancel.delivery_limit == 5
+    assert cancel.retry.max_attempts == 4
+    assert cancel.retry.tiers == ("5m", "5m", "30m")
+    assert topology.idempotency.lease == 300_000
+    assert topology.idempotency.retention == 7 * 86_400_000
+
+
+def test_a_directory_with_one_toml_file_is_loaded(tmp_path: Path) -> None:
+    write(tmp_path, BASE)
+    assert load_topology(tmp_path).namespace == "shop"
+
+
+def test_a_directory_with_several_files_asks_for_a_name(tmp_path: Path) -> None:
+    write(tmp_path, BASE, "a.toml")
+    write(tmp_path, BASE, "b.toml")
+    with pytest.raises(TopologyError, match=r"found a\.toml, b\.toml; name the file"):
+        load_topology(tmp_path)
+
+
+def test_defaults(tmp_path: Path) -> None:
+    topology = load_topology(write(tmp_path, BASE))
+    assert topology.version == 1
+    assert topology.queue_type is QueueType.QUORUM
+    assert topology.tiers == {"1s": 1_000, "5m": 300_000}
+    push = topology.queues["push"]
+    assert push.tiers is None  # every tier may target it
+    assert push.delivery_limit == 10
+    assert topology.cascade is None
+    assert topology.plugin is None
+
+
+def test_models_are_frozen(tmp_path: Path) -> None:
+    topology = load_topology(write(tmp_path, BASE))
+    with pytest.raises(ValueError, match="frozen"):
+        topology.namespace = "other"  # type: ignore[misc]
+
+
+# -- unknown keys, anywhere --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "path", "allowed"),
+    [
+        (
+            'colour = "red"\n' + BASE,
+            "colour",
+            ["namespace", "version", "queue_type", "tiers", "queues"],
+        ),
+        (
+            BASE.replace('tiers = ["5m"]', 'tiers = ["5m"]\nbinding = ["x"]'),
+            "queues.orders.cancel.binding",
+            ["bindings", "tiers", "retry", "delivery_limit", "alias"],
+        ),
+        (
+            BASE.replace("max_attempts = 3", "max_attempt = 3"),
+            "queues.orders.cancel.retry.max_attempt",
+            ["max_attempts", "tiers", "backoff"],
+        ),
+        (BASE + "[cascade]\nlevel = 4\n", "cascade.level", ["levels", "resolution"]),
+        (
+            BASE + '[cascade]\n[queues.other.retry.backoff]\ninitail = "1s"\n',
+            "queues.other.retry.backoff.initail",
+            ["initial", "factor", "max"],
+        ),
+        (
+            BASE + '[idempotency]\nstorage = "memory"\n',
+            "idempotency.storage",
+            ["store", "path", "lease"],
+        ),
+        (BASE + '[plugin]\ntype = "direct"\n', "plugin.type", ["delayed_type"]),
+    ],
+)
+def test_unknown_keys_name_file_field_path_and_allowed_keys(
+    tmp_path: Path, extra: str, path: str, allowed: list[str]
+) -> None:
+    message = load_error(tmp_path, extra)
+    unknown = path.rsplit(".", 1)[-1]
+    assert f"{path}: unknown key {unknown!r}" in message
+    line = next(line for line in message.splitlines() if path in line)
+    for key in allowed:
+        assert key in line
+
+
+# -- bad values ----------------------------------------------------------------------------
+
+
+def test_bad_tier_durations_are_named(tmp_path: Path) -> None:
+    message = load_error(
+        tmp_path,
+        BASE.replace(
+            '1s = "1s"', '1s = "1s"\nbad = "5x"\nneg = "-3s"\nbare = 5\nlong = "60d"\nzero = "0s"'
+        ),
+    )
+    assert "tiers.bad: '5x' is not a duration" in message
+    assert "tiers.neg: '-3s' is negative" in message
+    assert "tiers.bare: 5: write a duration with its unit" in message
+    assert "tiers.long: '60d' is 60d, longer than the maximum" in message
+    assert "tiers.zero: '0s' must be longer than zero" in message
+
+
+def test_bad_duration_elsewhere(tmp_path: Path) -> None:
+    message = load_error(tmp_path, BASE + '[idempotency]\nlease = "soon"\n')
+    assert "idempotency.lease: 'soon' is not a duration" in message
+
+
+@pytest.mark.parametrize(
+    ("queue_text", "field"),
+    [
+        ('tiers = ["2h"]', "queues.push.tiers"),
+        ('[queues.push.retry]\ntiers = ["1s", "2h"]', "queues.push.retry.tiers"),
+    ],
+)
+def test_unknown_tier_referenced_by_a_queue(tmp_path: Path, queue_text: str, field: str) -> None:
+    message = load_error(tmp_path, BASE + queue_text + "\n")
+    assert f"{field}: unknown tier '2h'; tiers are ['1s', '5m']" in message
+
+
+def test_duplicate_durations(tmp_path: Path) -> None:
+    message = load_error(tmp_path, BASE.replace('5m = "5m"', '5m = "5m"\nfive = "300s"'))
+    assert "tiers '5m' and 'five' have the same duration" in message
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.toml"
+    with pytest.raises(TopologyError, match="cannot read topology file") as info:
+        load_topology(path)
+    assert str(path) in str(info.value)
+
+
+def test_toml_syntax_error(tmp_path: Path) -> None:
+    message = load_error(tmp_path, 'namespace = "shop"\n[tiers\n1s = "1s"\n')
+    assert "not valid TOML" in message
+    assert "line 2" in message
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"namespace": "Shop Online"}, "namespace: 'Shop Online' is not allowed"),
+        ({"version": 0}, "version:"),
+        ({"queue_type": "stream"}, "queue_type: Input should be 'quorum' or 'classic'"),
+        ({"tiers": {}}, "tiers: Dictionary should have at least 1 item"),
+        ({"queues": {}}, "queues: Dictionary should have at least 1 item"),
+        ({"tiers": {"1 s": "1s"}}, "'1 s' is not allowed"),
+        ({"queues": {"Orders": {}}}, "'Orders' is not allowed"),
+        ({"queues": {"a": {"delivery_limit": 0}}}, "queues.a.delivery_limit:"),
+        ({"queues": {"a": {"retry": {"max_attempts": 0}}}}, "queues.a.retry.max_attempts:"),
+        (
+            {"queues": {"a": {"bindings": ["shop.v1.q.b"]}, "b": {}}},
+            "'shop.v1.q.b' is reserved for a queue",
+        ),
+        ({"cascade": {}, "plugin": {}}, "`cascade` or `plugin`, not both"),
+        (
+            {"queues": {"a": {"retry": {"backoff": {}}}}},
+            "queues.a.retry.backoff needs exact delays",
+        ),
+        (
+            {"queues": {"a": {"retry": {"tiers": ["1s"], "backoff": {}}}}, "cascade": {}},
+            "either `tiers` or `backoff`",
+        ),
+        ({"namespace": None}, "namespace:"),
+    ],
+)
+def test_invalid_models(overrides: dict[str, Any], expected: str) -> None:
+    with pytest.raises(TopologyError) as info:
+        topology_from_dict(minimal(**overrides), "inline.toml")
+    message = str(info.value)
+    assert message.startswith("inline.toml: invalid topology")
+    assert expected in message
+
+
+def test_missing_namespace() -> None:
+    data = minimal()
+    del data["namespace"]
+    with pytest.raises(TopologyError, match="namespace: Field required"):
+        topology_from_dict(data)
+
+
+def test_every_error_is_reported_at_once() -> None:
+    with pytest.raises(TopologyError) as info:
+        topology_from_dict(minimal(version="x", colour=1, tiers={"a": "5x"}))
+    message = str(info.value)
+    assert "version:" in message
+    assert "colour: unknown key" in message
+    assert "tiers.a:" in message
+
+
+def test_topology_error_is_a_config_and_value_error() -> None:
+    assert issubclass(TopologyError, ConfigError)
+    assert issubclass(TopologyError, ValueError)
+
+
+# -- helpers on the model -----------------------------------------------------------------
+
+
+def test_tier_for_ms_and_retry_tiers(tmp_path: Path) -> None:
+    topology: Topology = load_topology(write(tmp_path, BASE))
+    assert topology.tier_for_ms(300_000) == "5m"
+    assert topology.tier_for_ms(2_000) is None
+    assert topology.retry_tiers("orders.cancel") == ("1s", "5m")
+    assert topology.retry_tiers("push") == ("1s",)  # the shortest tier by default
+    assert topology.names.prefix == "shop.v1"
