@@ -120,8 +120,16 @@ def _dead_letter_args(topology: Topology, dlx: str) -> dict[str, object]:
     return args
 
 
+# Parking lots and the catch-all hold messages for people. They have no dead-letter
+# exchange, and RabbitMQ 4.0 drops a message after 20 requeues of a quorum queue that
+# sets no limit: inspecting them (get + requeue) must never cost a message.
+HUMAN_QUEUE_DELIVERY_LIMIT = 1_000_000
+
+
 def _plain_queue_args(topology: Topology) -> dict[str, object]:
-    return {"x-queue-type": "quorum"} if topology.queue_type is QueueType.QUORUM else {}
+    if topology.queue_type is QueueType.QUORUM:
+        return {"x-queue-type": "quorum", "x-delivery-limit": HUMAN_QUEUE_DELIVERY_LIMIT}
+    return {}
 
 
 def desired(topology: Topology) -> Desired:

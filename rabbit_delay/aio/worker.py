@@ -200,8 +200,11 @@ class AsyncWorker:
             if housekeeping is not None:
                 housekeeping.cancel()
             await self._close_connection()
-            for task in list(self._tasks):  # past the shutdown timeout: redelivered
+            cut_off = list(self._tasks)
+            for task in cut_off:  # past the shutdown timeout: redelivered
                 task.cancel()
+            if cut_off:
+                await asyncio.wait(cut_off, timeout=2)
             if self._executor is not None:
                 self._executor.shutdown(wait=False, cancel_futures=True)
             restore()
@@ -412,14 +415,14 @@ class AsyncWorker:
         claims[owner] = key
         try:
             outcome = await self._call(consumer, prepared)
-        finally:
-            renewing = self._renewing
-            assert renewing is not None
-            if renewing.locked():  # never release a claim the renewer is about to renew
-                async with renewing:
-                    del claims[owner]
-            else:
-                del claims[owner]
+        except asyncio.CancelledError:
+            # Cut off past the shutdown timeout: release the claim, so the redelivered
+            # copy runs at once instead of waiting for the lease.
+            await self._forget_claim(owner)
+            with contextlib.suppress(Exception):
+                await guard.failed(key, owner)
+            raise
+        await self._forget_claim(owner)
         try:
             if outcome is None:
                 await guard.done(key, owner)
@@ -429,6 +432,15 @@ class AsyncWorker:
             # The handler's outcome stands; a duplicate may run again after the lease.
             log.error("%s: idempotency store failed after the handler: %r", consumer.queue, exc)
         return consumer.finish(prepared, outcome, now_ms()), attempt
+
+    async def _forget_claim(self, owner: str) -> None:
+        renewing = self._renewing
+        assert renewing is not None
+        if renewing.locked():  # never release a claim the renewer is about to renew
+            async with renewing:
+                self._claims.pop(owner, None)
+        else:
+            self._claims.pop(owner, None)
 
     async def _call(self, consumer: Consumer, prepared: Prepared) -> Outcome:
         metrics = self.metrics

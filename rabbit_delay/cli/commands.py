@@ -125,18 +125,15 @@ def plan(
 
     Exit code: 0 in sync, 2 changes pending, 1 error (conflicts count as pending).
     """
-    from rabbit_delay.sync import connect
+    from rabbit_delay.sync import connected
     from rabbit_delay.sync import plan as sync_plan
 
     with errors_to_exit():
         topology = resolve_topology(file)
         broker = url_for(url)
         observed = _observe(topology, broker, management_url, no_management)
-        connection = connect(broker, name="rabbit-delay plan")
-        try:
+        with connected(broker, name="rabbit-delay plan") as connection:
             result = sync_plan(connection, topology, observed=observed)
-        finally:
-            connection.close()
     source = (
         "management API" if observed is not None else "passive declares (arguments not compared)"
     )
@@ -176,7 +173,7 @@ def declare(
     Idempotent. Shows the plan first; stops without changing anything when an object
     exists with other arguments.
     """
-    from rabbit_delay.sync import connect
+    from rabbit_delay.sync import connected
     from rabbit_delay.sync import declare as sync_declare
     from rabbit_delay.sync import plan as sync_plan
 
@@ -184,8 +181,7 @@ def declare(
         topology = resolve_topology(file)
         broker = url_for(url)
         observed = _observe(topology, broker, management_url, no_management)
-        connection = connect(broker, name="rabbit-delay declare")
-        try:
+        with connected(broker, name="rabbit-delay declare") as connection:
             before = sync_plan(connection, topology, observed=observed)
             if not as_json:
                 title = escape(f"plan for {topology.names.prefix} on {redact(broker)}")
@@ -196,9 +192,6 @@ def declare(
                 if as_json:
                     print_json({"ok": False, "error": str(exc), "items": _items_json(before.items)})
                 raise
-        finally:
-            if connection.is_open:
-                connection.close()
     if as_json:
         print_json(
             {"ok": True, "changed": report.changed, "items": _items_json(report.items, _DONE_WORDS)}

@@ -123,6 +123,9 @@ def worker(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("rabbit_delay").setLevel(log_level.upper())
+    if log_level is not LogLevel.DEBUG:
+        # pika logs every 404 of a passive declare (the probes of --declare) as a warning.
+        logging.getLogger("pika").setLevel(logging.ERROR)
     try:
         timeout_s = parse_ms(shutdown_timeout) / 1000
     except DurationError as exc:

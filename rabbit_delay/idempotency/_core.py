@@ -126,7 +126,7 @@ class SyncStoreAsAsync:
 class GuardStats:
     """Counters of claim outcomes, for metrics. Read them; the guard increments them."""
 
-    claimed: int = 0
+    claimed: int = 0  # CLAIMED, lease renewals included
     duplicates_skipped: int = 0  # DONE: a redelivery or duplicate publish of a handled message
     in_progress_deferred: int = 0  # IN_PROGRESS: a copy is being handled elsewhere
     cancelled_dropped: int = 0  # CANCELLED: a tombstone stopped the handler

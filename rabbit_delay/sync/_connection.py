@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pika
 import pika.exceptions
 
@@ -18,3 +21,16 @@ def connect(url: str | None = None, *, name: str = "rabbit-delay") -> pika.Block
         return pika.BlockingConnection(params)
     except (pika.exceptions.AMQPError, OSError, ValueError) as exc:
         raise BrokerUnavailable(f"cannot connect to {redact(url)}: {redact(repr(exc))}") from None
+
+
+@contextmanager
+def connected(
+    url: str | None = None, *, name: str = "rabbit-delay"
+) -> Iterator[pika.BlockingConnection]:
+    """`connect`, closed on exit unless the broker already closed it (e.g. a 503)."""
+    connection = connect(url, name=name)
+    try:
+        yield connection
+    finally:
+        if connection.is_open:
+            connection.close()

@@ -47,14 +47,16 @@ def expected(
         else {}
     )
     limit = {"x-delivery-limit": 10} if quorum else {}
+    # parking lots and the catch-all: explicit, huge limit (4.0 drops after 20 requeues)
+    human = {**q, "x-delivery-limit": 1_000_000} if quorum else {}
     queues = {
-        f"{p}.unroutable": q,
+        f"{p}.unroutable": human,
         f"{p}.delay.1s": {**dlx, "x-dead-letter-exchange": f"{p}.due", "x-message-ttl": 1000},
         f"{p}.delay.3s": {**dlx, "x-dead-letter-exchange": f"{p}.due", "x-message-ttl": 3000},
         f"{p}.q.orders.cancel": {**dlx, "x-dead-letter-exchange": f"{p}.parking", **limit},
         f"{p}.q.push": {**dlx, "x-dead-letter-exchange": f"{p}.parking", **limit},
-        f"{p}.parking.orders.cancel": q,
-        f"{p}.parking.push": q,
+        f"{p}.parking.orders.cancel": human,
+        f"{p}.parking.push": human,
     }
     exchanges = {
         f"{p}.unroutable": ("fanout", {}),

@@ -12,6 +12,7 @@ Two kinds of tests:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import os
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +29,13 @@ import pika
 import pika.exceptions
 import pytest
 
+from rabbit_delay import aio
 from rabbit_delay import names as h
 from rabbit_delay.errors import MissingObjectError, MissingPluginError
-from rabbit_delay.plan import ExchangeSpec, QueueSpec, desired
-from rabbit_delay.sync import Publisher, connect, declare
-from rabbit_delay.sync.declarer import observe
+from rabbit_delay.management import observe
+from rabbit_delay.plan import ExchangeSpec, Operation, QueueSpec, SupportsType, desired
+from rabbit_delay.sync import Publisher, connect, declare, plan
+from rabbit_delay.sync.declarer import run_program
 from rabbit_delay.topology import Topology, topology_from_dict
 from rabbit_delay.urls import ManagementEndpoint
 
@@ -177,6 +180,66 @@ def test_a_reserved_name_probes_for_the_plugin_without_creating_anything(broker_
         if conn.is_open:
             conn.close()
     assert not exists(broker_url, ExchangeSpec(name, "topic"))
+
+
+@pytest.mark.parametrize("transport", ["sync", "aio"])
+def test_plan_without_the_plugin_is_a_clear_error(
+    broker_url: str, make_topology: Callable[..., Topology], transport: str
+) -> None:
+    topology = make_topology(**plugin_data())
+    if transport == "sync":
+        conn = connect(broker_url)
+        try:
+            with pytest.raises(MissingPluginError, match=ENABLE_HINT):
+                plan(conn, topology)
+        finally:
+            if conn.is_open:
+                conn.close()
+    else:
+
+        async def run() -> None:
+            conn = await aio.connect(broker_url)
+            try:
+                with pytest.raises(MissingPluginError, match=ENABLE_HINT):
+                    await aio.plan(conn, topology)
+            finally:
+                await conn.close()
+
+        asyncio.run(run())
+    assert not any(exists(broker_url, spec) for spec in desired(topology).objects)
+
+
+def test_the_type_probe_answers_for_a_known_type(broker_url: str) -> None:
+    conn = connect(broker_url)
+    try:
+        assert run_program(conn, _probe("topic")) is True
+        assert conn.is_open  # a known type costs one channel, never the connection
+    finally:
+        conn.close()
+
+
+def _probe(exchange_type: str) -> Generator[Operation, object, object]:
+    return (yield SupportsType(exchange_type))
+
+
+def test_cli_plan_without_the_plugin_exits_1_with_the_hint(
+    broker_url: str, make_topology: Callable[..., Topology], tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from rabbit_delay.cli import app
+    from rabbit_delay.cli._app import load_commands
+
+    load_commands()
+    topology = make_topology(**plugin_data())
+    file = tmp_path / "plugin.toml"
+    file.write_text(
+        f'namespace = "{topology.namespace}"\n'
+        '[tiers]\n1h = "1h"\n[queues."orders.cancel"]\n[plugin]\n'
+    )
+    result = CliRunner().invoke(app, ["plan", str(file), "--url", broker_url])
+    assert result.exit_code == 1, result.output
+    assert ENABLE_HINT in result.output
 
 
 # -- a broker with the plugin (RABBIT_DELAY_PLUGIN_URL) -----------------------------------

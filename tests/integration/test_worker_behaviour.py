@@ -372,7 +372,8 @@ def test_graceful_stop_finishes_in_flight_handlers_and_hands_back_the_rest(
 
     assert len(calls.finished) == len(calls.started) == 2  # in flight: finished, acked
     assert worker.stats.acked == 2
-    assert message_count(broker_url, topology.names.business_queue(QUEUE)) == 2  # not started
+    queue = topology.names.business_queue(QUEUE)
+    wait_until(lambda: message_count(broker_url, queue) == 2, 10, "the 2 not started, back")
 
 
 def test_a_handler_past_the_shutdown_timeout_is_redelivered(
@@ -388,7 +389,8 @@ def test_a_handler_past_the_shutdown_timeout_is_redelivered(
     calls.wait_started(1)
     worker.stop()
     assert worker.stats.acked == 0
-    assert message_count(broker_url, topology.names.business_queue(QUEUE)) == 1
+    queue = topology.names.business_queue(QUEUE)
+    wait_until(lambda: message_count(broker_url, queue) == 1, 10, "the unfinished one, back")
 
 
 def test_reconnects_after_the_server_closes_the_connection(

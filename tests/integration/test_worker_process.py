@@ -196,7 +196,8 @@ def test_sigterm_lets_the_running_handler_finish_and_hands_back_the_rest(
     assert lines(log, "effect") == [["effect", started[1], str(worker.pid)]]
     assert len(lines(log, "start")) == 1
     assert {started[1]} < {first, second}
-    assert message_count(broker_url, topology.names.business_queue(QUEUE)) == 1
+    queue = topology.names.business_queue(QUEUE)
+    wait_until(lambda: message_count(broker_url, queue) == 1, 10, "the second message, back")
     assert "stopping" in worker.text()
 
 

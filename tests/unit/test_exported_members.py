@@ -69,7 +69,13 @@ def test_transports_all() -> None:
     import rabbit_delay.aio
     import rabbit_delay.sync
 
-    assert sorted(rabbit_delay.sync.__all__) == ["Publisher", "connect", "declare", "plan"]
+    assert sorted(rabbit_delay.sync.__all__) == [
+        "Publisher",
+        "connect",
+        "connected",
+        "declare",
+        "plan",
+    ]
     assert sorted(rabbit_delay.aio.__all__) == ["AsyncPublisher", "connect", "declare", "plan"]
     assert rabbit_delay.Publisher is rabbit_delay.sync.Publisher
     assert rabbit_delay.AsyncPublisher is rabbit_delay.aio.AsyncPublisher

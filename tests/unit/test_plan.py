@@ -73,6 +73,10 @@ EXPECTED_BINDINGS = {
 }
 
 
+# Queues read by people: an explicit, huge delivery limit (4.0 would drop after 20 requeues).
+HUMAN = {"x-queue-type": "quorum", "x-delivery-limit": 1_000_000}
+
+
 def binding_keys(want: Desired) -> set[tuple[str, str, str, str]]:
     return {
         (b.source, b.destination, b.destination_type.value, b.routing_key) for b in want.bindings
@@ -87,7 +91,7 @@ def test_desired_quorum_exactly() -> None:
     assert {e.name: (e.type, dict(e.arguments)) for e in want.exchanges} == EXPECTED_EXCHANGES
     assert all(e.durable for e in want.exchanges)
     assert {q.name: dict(q.arguments) for q in want.queues} == {
-        "shop.v1.unroutable": {"x-queue-type": "quorum"},
+        "shop.v1.unroutable": HUMAN,
         "shop.v1.delay.1s": {
             **QUORUM_DLX,
             "x-dead-letter-exchange": "shop.v1.due",
@@ -108,8 +112,8 @@ def test_desired_quorum_exactly() -> None:
             "x-dead-letter-exchange": "shop.v1.parking",
             "x-delivery-limit": 10,
         },
-        "shop.v1.parking.orders.cancel": {"x-queue-type": "quorum"},
-        "shop.v1.parking.push": {"x-queue-type": "quorum"},
+        "shop.v1.parking.orders.cancel": HUMAN,
+        "shop.v1.parking.push": HUMAN,
     }
     assert all(q.durable for q in want.queues)
     assert binding_keys(want) == EXPECTED_BINDINGS
@@ -219,7 +223,7 @@ def test_plan_create_in_place_and_conflict() -> None:
             ),
             "shop.v1.delay.3s": ExistingObject({"x-message-ttl": 3000}),  # classic, no DLX
             "shop.v1.parking.push": None,
-            "shop.v1.unroutable": ExistingObject({"x-queue-type": "quorum"}, durable=False),
+            "shop.v1.unroutable": ExistingObject(HUMAN, durable=False),
         },
         exchanges={"shop.v1.due": ExistingObject({}, True, "topic")},
     )
@@ -279,7 +283,7 @@ def test_plan_create_in_place_and_conflict() -> None:
 
 def test_extra_argument_on_the_broker_is_a_conflict() -> None:
     want = desired(shop())
-    extra = ExistingObject({"x-queue-type": "quorum", "x-max-length": 10})
+    extra = ExistingObject({**HUMAN, "x-max-length": 10})
     plan = make_plan(want, observed_from(want, queues={"shop.v1.parking.push": extra}))
     assert plan.conflicts == (
         ArgumentConflict("queue", "shop.v1.parking.push", "x-max-length", 10, None),
