@@ -60,8 +60,7 @@ class Router:
         self._tier_exchange = {t: n.tier_exchange(t) for t in topology.tiers}
         self._by_ms = {ms: t for t, ms in topology.tiers.items()}
         self._allowed: dict[str, frozenset[str]] = {
-            q: frozenset(cfg.tiers if cfg.tiers is not None else topology.tiers)
-            for q, cfg in topology.queues.items()
+            q: frozenset(topology.accepted_tiers(q)) for q in topology.queues
         }
 
     # -- targets ----------------------------------------------------------------------

@@ -155,6 +155,9 @@ def desired(topology: Topology) -> Desired:
     for queue, cfg in topology.queues.items():
         name = n.business_queue(queue)
         args = _dead_letter_args(topology, n.parking_exchange())
+        # Whatever key the message arrived with (a shared binding key, a cascade key), a
+        # dead-lettered one (delivery limit, a reject) goes to THIS queue's parking lot.
+        args["x-dead-letter-routing-key"] = n.queue_key(queue)
         if topology.queue_type is QueueType.QUORUM:
             args["x-delivery-limit"] = cfg.delivery_limit
         queues.append(QueueSpec(name, args))

@@ -197,11 +197,21 @@ class Topology(_Model):
                 return tier
         return None
 
-    def retry_tiers(self, queue: str) -> tuple[str, ...]:
+    def accepted_tiers(self, queue: str) -> tuple[str, ...]:
+        """Tiers that may target `queue`: its `tiers` (default: all), plus its retry tiers,
+        which the consumer framework must always be able to use."""
         cfg = self.queues[queue]
-        if cfg.retry.tiers:
-            return cfg.retry.tiers
-        return (min(self.tiers, key=self.tiers.__getitem__),)
+        publish = cfg.tiers if cfg.tiers is not None else tuple(self.tiers)
+        return tuple(dict.fromkeys((*publish, *cfg.retry.tiers)))
+
+    def shortest_tier(self, queue: str) -> str:
+        """The shortest tier `queue` accepts."""
+        return min(self.accepted_tiers(queue), key=self.tiers.__getitem__)
+
+    def retry_tiers(self, queue: str) -> tuple[str, ...]:
+        """Retry n waits tiers[n-1] (the last repeats); default: the shortest accepted tier."""
+        cfg = self.queues[queue]
+        return cfg.retry.tiers or (self.shortest_tier(queue),)
 
 
 # -- loading ----------------------------------------------------------------------------

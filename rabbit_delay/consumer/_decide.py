@@ -183,15 +183,9 @@ class QueuePolicy:
                 self.retry_routes = tuple(
                     self.router.resolve(self.key, delay_ms=backoff.delay_ms(n)) for n in retries
                 )
-            allowed = cfg.tiers if cfg.tiers is not None else tuple(topology.tiers)
-            if not allowed:
-                raise ConfigError(f"queues.{queue}: accepts no tier, so nothing can retry")
-            shortest = min(allowed, key=topology.tiers.__getitem__)
-            self.defer_route = self.router.resolve(self.key, tier=shortest)
+            self.defer_route = self.router.resolve(self.key, tier=topology.shortest_tier(queue))
             if backoff is None:
-                # Without retry tiers: the shortest tier this queue accepts (which
-                # Topology.retry_tiers, looking at every tier, may not be).
-                tiers = cfg.retry.tiers or (shortest,)
+                tiers = topology.retry_tiers(queue)
                 self.retry_routes = tuple(self.router.resolve(self.key, tier=t) for t in tiers)
         except (DelayError, UnknownTargetError) as exc:
             raise ConfigError(f"queues.{queue}.retry: {exc}") from None

@@ -18,6 +18,7 @@ import re
 import sqlite3
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -320,31 +321,27 @@ def is_busy(exc: sqlite3.Error) -> bool:
 
 
 class AsyncSQLiteStore:
-    """`SQLiteStore` for the async worker, with group commit.
+    """`SQLiteStore` for the async worker, with group commit on a thread of its own.
 
-    Operations issued during one event-loop turn (the claims and completes of the
-    deliveries in flight) run in one transaction at the end of the turn: each is still
-    one atomic statement, but they share the commit, which is most of the cost.
-    Nothing returns before its transaction has committed.
+    Operations issued while the previous batch is committing (the claims and completes
+    of the deliveries in flight) are queued and run together in one transaction: each is
+    still one atomic statement, but they share the commit, which is most of the cost.
+    The batch runs on one dedicated thread, because sqlite3 releases the GIL while it
+    writes: the event loop keeps consuming meanwhile, and the busier the worker, the
+    larger the next batch. Nothing returns before its transaction has committed.
 
-    The batch runs on the loop thread (microseconds). It never waits for SQLite's
-    write lock there: when another connection holds it (another process, or a handler's
-    own transaction on the same file), the batch is retried a moment later, so the
-    loop keeps running and that transaction can finish. After the store's busy timeout
-    the waiting operations fail with `sqlite3.OperationalError` ("database is locked").
+    Waiting for SQLite's write lock (another process, or a handler's own transaction on
+    the same file) blocks that thread, never the loop; after the store's busy timeout the
+    waiting operations fail with `sqlite3.OperationalError` ("database is locked").
 
     An operation whose caller is cancelled before its batch runs is not executed.
     """
 
-    _RETRY_FIRST_S = 0.001
-    _RETRY_MAX_S = 0.05
-
     def __init__(self, store: SQLiteStore) -> None:
         self.store = store
         self._pending: _Batch = []
-        self._scheduled = False
-        self._busy_since: float | None = None
-        self._retry_delay = self._RETRY_FIRST_S
+        self._scheduled = False  # a batch is queued to start or running
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rabbit-delay-sqlite")
 
     @property
     def needs_purge(self) -> bool:
@@ -368,13 +365,18 @@ class AsyncSQLiteStore:
 
     async def purge(self, *, now_ms: int) -> int:
         """See `SQLiteStore.purge` (sliced; it waits for the lock). Raises `sqlite3.Error`."""
-        return self.store.purge(now_ms=now_ms)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, partial(self.store.purge, now_ms=now_ms))
 
     async def close(self) -> None:
-        """Run what is pending (waiting for the lock if need be), then close the file."""
-        batch, self._pending = self._pending, []
-        self._settle(batch, wait=True)
-        self.store.close()
+        """Run what is pending, then close the file."""
+        loop = asyncio.get_running_loop()
+        while self._scheduled or self._pending:
+            if not self._scheduled:
+                self._start(loop)
+            await asyncio.sleep(0.001)
+        await loop.run_in_executor(self._executor, self.store.close)
+        self._executor.shutdown(wait=True)
 
     async def _submit(self, op: Callable[[], T]) -> T:
         loop = asyncio.get_running_loop()
@@ -383,50 +385,38 @@ class AsyncSQLiteStore:
         if not self._scheduled:
             # At the end of this turn: every op issued before then joins the batch.
             self._scheduled = True
-            loop.call_soon(self._flush)
+            loop.call_soon(self._start, loop)
         return await future
 
-    def _flush(self) -> None:
-        self._scheduled = False
-        batch, self._pending = self._pending, []
-        busy = self._settle(batch)
-        if busy is None:
-            self._busy_since = None
-            self._retry_delay = self._RETRY_FIRST_S
-            return
-        # Put the batch back in front of what arrived meanwhile, and retry a bit later.
-        self._pending[:0] = batch
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        if self._busy_since is None:
-            self._busy_since = now
-        if now - self._busy_since >= self.store.busy_timeout_s:
-            self._busy_since = None
-            self._retry_delay = self._RETRY_FIRST_S
-            batch, self._pending = self._pending, []
-            self._resolve(batch, [busy] * len(batch))
-            return
+    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._scheduled = True
-        loop.call_later(self._retry_delay, self._flush)
-        self._retry_delay = min(self._retry_delay * 2, self._RETRY_MAX_S)
-
-    def _settle(self, batch: _Batch, *, wait: bool = False) -> sqlite3.Error | None:
-        """Run `batch` and resolve its futures; or, when the write lock is busy and not
-        `wait`, do nothing and return the busy error."""
+        batch, self._pending = self._pending, []
         live = [(op, fut) for op, fut in batch if not fut.done()]
         if not live:
-            return None
+            self._finish(loop, [], None)
+            return
         ops = [op for op, _ in live]
+        done = loop.run_in_executor(self._executor, self._run, ops)
+        done.add_done_callback(lambda f: self._finish(loop, live, f))
+
+    def _run(self, ops: Sequence[Callable[[], Any]]) -> list[Any]:
         try:
-            outcomes = self.store.run_batch(ops, wait=wait)
-        except sqlite3.Error as exc:
-            if not wait and is_busy(exc):
-                return exc
-            outcomes = [exc] * len(ops)
-        except Exception as exc:  # the store is closed or broken: every op fails
-            outcomes = [exc] * len(ops)
-        self._resolve(live, outcomes)
-        return None
+            return self.store.run_batch(ops, wait=True)
+        except Exception as exc:  # busy past the timeout, or the store is closed
+            return [exc] * len(ops)
+
+    def _finish(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        batch: _Batch,
+        outcome: asyncio.Future[list[Any]] | None,
+    ) -> None:
+        if outcome is not None:
+            self._resolve(batch, outcome.result())
+        if self._pending:
+            self._start(loop)  # what arrived while that batch committed
+        else:
+            self._scheduled = False
 
     @staticmethod
     def _resolve(batch: _Batch, outcomes: Sequence[Any]) -> None:

@@ -53,8 +53,18 @@ def expected(
         f"{p}.unroutable": human,
         f"{p}.delay.1s": {**dlx, "x-dead-letter-exchange": f"{p}.due", "x-message-ttl": 1000},
         f"{p}.delay.3s": {**dlx, "x-dead-letter-exchange": f"{p}.due", "x-message-ttl": 3000},
-        f"{p}.q.orders.cancel": {**dlx, "x-dead-letter-exchange": f"{p}.parking", **limit},
-        f"{p}.q.push": {**dlx, "x-dead-letter-exchange": f"{p}.parking", **limit},
+        f"{p}.q.orders.cancel": {
+            **dlx,
+            "x-dead-letter-exchange": f"{p}.parking",
+            "x-dead-letter-routing-key": f"{p}.q.orders.cancel",
+            **limit,
+        },
+        f"{p}.q.push": {
+            **dlx,
+            "x-dead-letter-exchange": f"{p}.parking",
+            "x-dead-letter-routing-key": f"{p}.q.push",
+            **limit,
+        },
         f"{p}.parking.orders.cancel": human,
         f"{p}.parking.push": human,
     }

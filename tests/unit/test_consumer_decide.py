@@ -249,12 +249,28 @@ def test_backoff_resolves_exact_delays_through_the_cascade() -> None:
     assert policy.retry_route(1).target == "shop.v1.q.orders"
 
 
-def test_a_retry_tier_the_queue_does_not_accept_is_a_config_error() -> None:
+def test_retry_tiers_are_accepted_even_outside_the_queues_publish_tiers() -> None:
+    # `tiers` limits what publishers pick; the queue's own retry schedule always works
+    # (topology/orders.toml: published at 30m only, retried after 5m).
     top = topology_from_dict(
         {
             "namespace": "shop",
             "tiers": {"1s": "1s", "5m": "5m"},
             "queues": {"orders": {"tiers": ["5m"], "retry": {"tiers": ["1s"]}}},
+        }
+    )
+    policy = QueuePolicy(top, "orders")
+    assert policy.retry_route(1).tier == "1s"
+    assert policy.retry_route(1).target == "shop.v1.q.orders"
+
+
+def test_a_backoff_delay_no_backend_serves_is_a_config_error() -> None:
+    top = topology_from_dict(
+        {
+            "namespace": "shop",
+            "tiers": {"1s": "1s"},
+            "queues": {"orders": {"retry": {"max_attempts": 10, "backoff": {"max": "1h"}}}},
+            "cascade": {"levels": 4},
         }
     )
     with pytest.raises(ConfigError, match=r"queues\.orders\.retry"):

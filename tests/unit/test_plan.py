@@ -105,11 +105,13 @@ def test_desired_quorum_exactly() -> None:
         "shop.v1.q.orders.cancel": {
             **QUORUM_DLX,
             "x-dead-letter-exchange": "shop.v1.parking",
+            "x-dead-letter-routing-key": "shop.v1.q.orders.cancel",
             "x-delivery-limit": 5,
         },
         "shop.v1.q.push": {
             **QUORUM_DLX,
             "x-dead-letter-exchange": "shop.v1.parking",
+            "x-dead-letter-routing-key": "shop.v1.q.push",
             "x-delivery-limit": 10,
         },
         "shop.v1.parking.orders.cancel": HUMAN,
@@ -127,8 +129,14 @@ def test_desired_classic_exactly() -> None:
         "shop.v1.unroutable": {},
         "shop.v1.delay.1s": {"x-dead-letter-exchange": "shop.v1.due", "x-message-ttl": 1000},
         "shop.v1.delay.3s": {"x-dead-letter-exchange": "shop.v1.due", "x-message-ttl": 3000},
-        "shop.v1.q.orders.cancel": {"x-dead-letter-exchange": "shop.v1.parking"},
-        "shop.v1.q.push": {"x-dead-letter-exchange": "shop.v1.parking"},
+        "shop.v1.q.orders.cancel": {
+            "x-dead-letter-exchange": "shop.v1.parking",
+            "x-dead-letter-routing-key": "shop.v1.q.orders.cancel",
+        },
+        "shop.v1.q.push": {
+            "x-dead-letter-exchange": "shop.v1.parking",
+            "x-dead-letter-routing-key": "shop.v1.q.push",
+        },
         "shop.v1.parking.orders.cancel": {},
         "shop.v1.parking.push": {},
     }
