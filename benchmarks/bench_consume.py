@@ -157,6 +157,7 @@ class Finish:
 
 # -- async contenders -------------------------------------------------------------------
 
+
 async def raw_aio(url: str, topology: Topology, n: int) -> float:
     done = asyncio.Event()
     finish = Finish(n, done.set)
@@ -217,6 +218,7 @@ async def async_worker(url: str, topology: Topology, n: int, store: Store) -> fl
 
 # -- sync contenders --------------------------------------------------------------------
 
+
 def raw_pika(url: str, topology: Topology, n: int) -> float:
     conn = pika.BlockingConnection(pika.URLParameters(url))
     ch = conn.channel()
@@ -254,6 +256,7 @@ def sync_worker(url: str, topology: Topology, n: int, store: Store) -> float:
 
 
 # -- driver ----------------------------------------------------------------------------
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -293,12 +296,14 @@ def main(argv: list[str] | None = None) -> int:
         "sync-sqlite": lambda: sync_worker(url, topology, n, sqlite()),
     }
     samples: dict[str, list[float]] = {name: [] for name in contenders}
-    log(f"{n} messages x {rounds} rounds per contender, {args.queue_type} queue, "
-        f"prefetch {PREFETCH}, broker {redact(url)}")
+    log(
+        f"{n} messages x {rounds} rounds per contender, {args.queue_type} queue, "
+        f"prefetch {PREFETCH}, broker {redact(url)}"
+    )
     try:
         names = list(contenders)
         for r in range(rounds):
-            order = names[r % len(names):] + names[: r % len(names)]
+            order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 fill(url, topology, n)
                 rate = contenders[name]()
@@ -309,8 +314,14 @@ def main(argv: list[str] | None = None) -> int:
         tmp.cleanup()
 
     medians = {name: statistics.median(values) for name, values in samples.items()}
-    baseline = {"raw-aio": "raw-aio", "async-memory": "raw-aio", "async-sqlite": "raw-aio",
-                "raw-pika": "raw-pika", "sync-memory": "raw-pika", "sync-sqlite": "raw-pika"}
+    baseline = {
+        "raw-aio": "raw-aio",
+        "async-memory": "raw-aio",
+        "async-sqlite": "raw-aio",
+        "raw-pika": "raw-pika",
+        "sync-memory": "raw-pika",
+        "sync-sqlite": "raw-pika",
+    }
     rows = []
     missed = []
     for name, median in medians.items():
@@ -319,19 +330,39 @@ def main(argv: list[str] | None = None) -> int:
         ok = None if target is None else ratio >= target[1]
         if ok is False:
             missed.append(name)
-        rows.append({"contender": name, "msg_per_s": round(median), "ratio": round(ratio, 3),
-                     "vs": baseline[name], "target": target[1] if target else None, "met": ok,
-                     "samples": [round(s) for s in samples[name]]})
+        rows.append(
+            {
+                "contender": name,
+                "msg_per_s": round(median),
+                "ratio": round(ratio, 3),
+                "vs": baseline[name],
+                "target": target[1] if target else None,
+                "met": ok,
+                "samples": [round(s) for s in samples[name]],
+            }
+        )
     if args.json:
-        print(json.dumps({"messages": n, "rounds": rounds, "queue_type": args.queue_type,
-                          "prefetch": PREFETCH, "results": rows}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "messages": n,
+                    "rounds": rounds,
+                    "queue_type": args.queue_type,
+                    "prefetch": PREFETCH,
+                    "results": rows,
+                },
+                indent=2,
+            )
+        )
     else:
         print(f"\n{'contender':<14}{'msg/s':>10}{'ratio':>8}  {'vs':<9}{'target':>8}")
         for row in rows:
             target = f">= {row['target']:.2f}" if row["target"] else ""
             mark = {True: " ok", False: " MISSED", None: ""}[row["met"]]
-            print(f"{row['contender']:<14}{row['msg_per_s']:>10}{row['ratio']:>8.2f}  "
-                  f"{row['vs']:<9}{target:>8}{mark}")
+            print(
+                f"{row['contender']:<14}{row['msg_per_s']:>10}{row['ratio']:>8.2f}  "
+                f"{row['vs']:<9}{target:>8}{mark}"
+            )
     return 1 if args.strict and missed else 0
 
 

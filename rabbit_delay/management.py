@@ -76,6 +76,7 @@ def read_observed(endpoint: ManagementEndpoint, prefix: str) -> Observed:
 
 # -- operations (rabbit-delay status / replay) ---------------------------------------------
 
+
 @dataclass(frozen=True, slots=True)
 class QueueStats:
     """Counts as the management API reports them: sampled (every 5 s by default), so they

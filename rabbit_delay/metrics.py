@@ -93,25 +93,41 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.published_total = Counter(
-            "published", "Delayed messages published and confirmed by the broker.",
-            ["queue", "tier"], namespace=NAMESPACE, registry=r,
+            "published",
+            "Delayed messages published and confirmed by the broker.",
+            ["queue", "tier"],
+            namespace=NAMESPACE,
+            registry=r,
         )
         self.publish_errors_total = Counter(
-            "publish_errors", "Publishes that were not confirmed, by reason.",
-            ["queue", "reason"], namespace=NAMESPACE, registry=r,
+            "publish_errors",
+            "Publishes that were not confirmed, by reason.",
+            ["queue", "reason"],
+            namespace=NAMESPACE,
+            registry=r,
         )
         self.handled_total = Counter(
-            "handled", "Deliveries handled by a worker, by outcome.",
-            ["queue", "outcome"], namespace=NAMESPACE, registry=r,
+            "handled",
+            "Deliveries handled by a worker, by outcome.",
+            ["queue", "outcome"],
+            namespace=NAMESPACE,
+            registry=r,
         )
         self.handler_seconds = Histogram(
-            "handler_seconds", "Time spent in the handler, seconds.",
-            ["queue"], namespace=NAMESPACE, registry=r, buckets=HANDLER_BUCKETS,
+            "handler_seconds",
+            "Time spent in the handler, seconds.",
+            ["queue"],
+            namespace=NAMESPACE,
+            registry=r,
+            buckets=HANDLER_BUCKETS,
         )
         self.delivery_lateness_seconds = Histogram(
             "delivery_lateness_seconds",
             "Time from a message's due time (rd-due-at) to its delivery to a worker, seconds.",
-            ["queue"], namespace=NAMESPACE, registry=r, buckets=LATENESS_BUCKETS,
+            ["queue"],
+            namespace=NAMESPACE,
+            registry=r,
+            buckets=LATENESS_BUCKETS,
         )
 
     # -- publishers ------------------------------------------------------------------------

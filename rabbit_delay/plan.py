@@ -238,6 +238,7 @@ def _add_plugin(
 
 # -- comparing with the broker ----------------------------------------------------------
 
+
 @dataclass(frozen=True, slots=True)
 class ExistingObject:
     """An object as the broker reports it (management API)."""
@@ -342,6 +343,7 @@ def plan_from_presence(want: Desired, present: Mapping[tuple[Kind, str], bool]) 
 
 # -- the declaration program ------------------------------------------------------------
 
+
 @dataclass(frozen=True, slots=True)
 class Exists:
     """Passive declare: does the object exist? The driver answers a bool."""
@@ -383,6 +385,7 @@ Operation = Exists | Declare | Bind | SupportsType
 def _probe_types(want: Desired) -> Generator[Operation, object, None]:
     for exchange_type in sorted({e.type for e in want.exchanges} - BUILTIN_EXCHANGE_TYPES):
         yield SupportsType(exchange_type)
+
 
 _INEQUIVALENT = re.compile(
     r"inequivalent arg '(?P<arg>[^']+)' for (?P<kind>queue|exchange) '(?P<name>[^']*)'.*?"

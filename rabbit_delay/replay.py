@@ -197,9 +197,7 @@ def resolve_queue(topology: Topology, queue: str) -> str:
         if kind in ("q", "parking") and detail in topology.queues:
             return detail
         known = ", ".join(sorted(topology.queues))
-        raise UnknownTargetError(
-            f"unknown queue {queue!r}; the topology {n.prefix!r} has: {known}"
-        )
+        raise UnknownTargetError(f"unknown queue {queue!r}; the topology {n.prefix!r} has: {known}")
     return queue
 
 

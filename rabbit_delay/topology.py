@@ -180,8 +180,7 @@ class Topology(_Model):
             if cfg.alias is not None:
                 if cfg.alias in aliases:
                     raise ValueError(
-                        f"queues.{queue}.alias {cfg.alias!r} is also used by "
-                        f"{aliases[cfg.alias]!r}"
+                        f"queues.{queue}.alias {cfg.alias!r} is also used by {aliases[cfg.alias]!r}"
                     )
                 aliases[cfg.alias] = queue
         return self
@@ -215,6 +214,7 @@ class Topology(_Model):
 
 
 # -- loading ----------------------------------------------------------------------------
+
 
 def _describe_location(loc: tuple[int | str, ...]) -> str:
     return ".".join(str(part) for part in loc) or "(top level)"

@@ -175,8 +175,11 @@ class AsyncWorker:
             await self._open()
             log.info(
                 "worker %s consuming %s on %s (prefetch %d, concurrency %d)",
-                self.identity, ", ".join(c.queue for c in self.consumers),
-                redact(self.url), self.prefetch, self.concurrency,
+                self.identity,
+                ", ".join(c.queue for c in self.consumers),
+                redact(self.url),
+                self.prefetch,
+                self.concurrency,
             )
             if self._guard is not None:
                 housekeeping = asyncio.create_task(self._housekeeping(self._guard))
@@ -287,7 +290,9 @@ class AsyncWorker:
         if self._tasks:
             log.warning(
                 "shutdown timeout (%.0fs): %d message(s) still being handled; the broker "
-                "will redeliver them", self.shutdown_timeout, len(self._tasks),
+                "will redeliver them",
+                self.shutdown_timeout,
+                len(self._tasks),
             )
         self._flush()
         if self._ack_writes:
@@ -496,8 +501,11 @@ class AsyncWorker:
         except (PublishError, BrokerError) as exc:
             self.stats.publish_failures += 1
             log.error(
-                "could not publish %s of %s to %s: %s", type(action).__name__.lower(),
-                action.outgoing.message_id, action.outgoing.exchange, exc,
+                "could not publish %s of %s to %s: %s",
+                type(action).__name__.lower(),
+                action.outgoing.message_id,
+                action.outgoing.exchange,
+                exc,
             )
             return False
         return True
@@ -537,8 +545,11 @@ class AsyncWorker:
         sigs = (signal.SIGINT, signal.SIGTERM)
 
         def on_signal(sig: signal.Signals) -> None:
-            log.info("signal %s: stopping (in-flight handlers get %.0fs)",
-                     sig.name, self.shutdown_timeout)
+            log.info(
+                "signal %s: stopping (in-flight handlers get %.0fs)",
+                sig.name,
+                self.shutdown_timeout,
+            )
             self.stop()
 
         for sig in sigs:

@@ -41,8 +41,10 @@ def load_app(target: str, app_dir: Path) -> App:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         if exc.name == module_name or module_name.startswith(f"{exc.name}."):
-            fail(f"cannot import module {module_name!r} from {app_dir.resolve()} "
-                 "(or sys.path): use --app-dir to name its directory")
+            fail(
+                f"cannot import module {module_name!r} from {app_dir.resolve()} "
+                "(or sys.path): use --app-dir to name its directory"
+            )
         raise
     obj: object = module
     for part in attr.split("."):
@@ -149,16 +151,26 @@ def worker(
                 from rabbit_delay.sync.worker import Worker
 
                 Worker(
-                    the_app, broker, queues=queue, prefetch=prefetch,
-                    concurrency=concurrency or 4, declare=declare, shutdown_timeout=timeout_s,
+                    the_app,
+                    broker,
+                    queues=queue,
+                    prefetch=prefetch,
+                    concurrency=concurrency or 4,
+                    declare=declare,
+                    shutdown_timeout=timeout_s,
                     metrics=metrics,
                 ).run()
             else:
                 from rabbit_delay.aio.worker import AsyncWorker
 
                 async_worker = AsyncWorker(
-                    the_app, broker, queues=queue, prefetch=prefetch,
-                    concurrency=concurrency or 16, declare=declare, shutdown_timeout=timeout_s,
+                    the_app,
+                    broker,
+                    queues=queue,
+                    prefetch=prefetch,
+                    concurrency=concurrency or 16,
+                    declare=declare,
+                    shutdown_timeout=timeout_s,
                     metrics=metrics,
                 )
                 asyncio.run(_run_async(the_app, async_worker))

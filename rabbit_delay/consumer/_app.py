@@ -80,9 +80,7 @@ def _takes_context(handler: Callable[..., Any], queue: str) -> bool:
         params = list(inspect.signature(handler).parameters.values())
     except (TypeError, ValueError):
         return True  # a builtin or C callable: assume (message, ctx)
-    positional = [
-        p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if any(p.kind is p.VAR_POSITIONAL for p in params) or len(positional) >= 2:
         return True
     if len(positional) == 1:
@@ -202,9 +200,7 @@ class App:
         )
         cfg = self.topology.idempotency
         self.lease_ms = parse_positive_ms(lease) if lease is not None else cfg.lease
-        self.retention_ms = (
-            parse_positive_ms(retention) if retention is not None else cfg.retention
-        )
+        self.retention_ms = parse_positive_ms(retention) if retention is not None else cfg.retention
         self.router = Router(self.topology)
         self.consumers: dict[str, Consumer] = {}
         self._store = store
@@ -277,7 +273,7 @@ class App:
         """
         if not self.consumers:
             raise ConfigError(
-                "the app has no consumers: register one with @app.consumer(\"queue\", model=...)"
+                'the app has no consumers: register one with @app.consumer("queue", model=...)'
             )
         if not queues:
             return list(self.consumers.values())

@@ -64,6 +64,7 @@ class RepublishReason(StrEnum):
 
 # -- outcomes ---------------------------------------------------------------------------
 
+
 @dataclass(frozen=True, slots=True)
 class Undecodable:
     """The body (or the project's headers) could not be turned into the handler's input."""
@@ -94,6 +95,7 @@ Outcome = None | ClaimResult | Undecodable | Unavailable | BaseException
 
 
 # -- actions ----------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class Ack:
@@ -141,6 +143,7 @@ SKIP_CANCELLED = Skip(SkipReason.CANCELLED)
 
 
 # -- per-queue policy -------------------------------------------------------------------
+
 
 class QueuePolicy:
     """A queue's retry policy resolved once into routes, so a failure costs no lookups.
@@ -206,6 +209,7 @@ class QueuePolicy:
 
 
 # -- the decision -----------------------------------------------------------------------
+
 
 def error_type_of(exc: BaseException) -> str:
     """`ValueError`, `myapp.errors.PaymentDeclined`; private module segments dropped
@@ -299,8 +303,13 @@ def decide(
             # skipped) or its lease has expired (this one runs).
             headers = republish_headers(env.headers)
             out = PublisherCore.outgoing(
-                policy.defer_route, body, content_type or BINARY, now_ms, env.message_id,
-                headers, env.attempt,
+                policy.defer_route,
+                body,
+                content_type or BINARY,
+                now_ms,
+                env.message_id,
+                headers,
+                env.attempt,
             )
             return Republish(out, RepublishReason.DEFER, env.attempt)
         raise ValueError(f"{outcome!r} is not an outcome: run the handler")
@@ -308,21 +317,41 @@ def decide(
         return Requeue(f"{error_type_of(outcome.error)}: {outcome.error}")
     if isinstance(outcome, Undecodable):
         return _park(
-            env, policy, outcome.reason, error_type=outcome.error_type, message=outcome.message,
-            trace=None, body=body, content_type=content_type, now_ms=now_ms,
+            env,
+            policy,
+            outcome.reason,
+            error_type=outcome.error_type,
+            message=outcome.message,
+            trace=None,
+            body=body,
+            content_type=content_type,
+            now_ms=now_ms,
         )
     if isinstance(outcome, Reject):
         return _park(
-            env, policy, ParkReason.REJECTED, error_type=error_type_of(outcome),
-            message=outcome.reason, trace=None, body=body, content_type=content_type,
+            env,
+            policy,
+            ParkReason.REJECTED,
+            error_type=error_type_of(outcome),
+            message=outcome.reason,
+            trace=None,
+            body=body,
+            content_type=content_type,
             now_ms=now_ms,
         )
     error_type = error_type_of(outcome)
     message = str(outcome)
     if env.attempt >= policy.max_attempts:
         return _park(
-            env, policy, ParkReason.MAX_ATTEMPTS, error_type=error_type, message=message,
-            trace=format_traceback(outcome), body=body, content_type=content_type, now_ms=now_ms,
+            env,
+            policy,
+            ParkReason.MAX_ATTEMPTS,
+            error_type=error_type,
+            message=message,
+            trace=format_traceback(outcome),
+            body=body,
+            content_type=content_type,
+            now_ms=now_ms,
         )
     note = None
     if isinstance(outcome, Retry):

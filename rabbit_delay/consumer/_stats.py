@@ -132,19 +132,29 @@ def log_action(queue: str, message_id: str | None, attempt: int, action: Action)
             log.warning("%s: %s failed on attempt %d: %s", queue, message_id, attempt, action.error)
             log.info(
                 "%s: %s will be retried as attempt %d after %s (%s ms)",
-                queue, message_id, action.attempt, tier, out.headers.get(H_DELAY_MS),
+                queue,
+                message_id,
+                action.attempt,
+                tier,
+                out.headers.get(H_DELAY_MS),
             )
         else:
             log.info(
                 "%s: %s is being handled elsewhere; looking again after %s",
-                queue, message_id, tier,
+                queue,
+                message_id,
+                tier,
             )
     elif isinstance(action, Park):
         if action.reason is ParkReason.MAX_ATTEMPTS:
             log.warning("%s: %s failed on attempt %d: %s", queue, message_id, attempt, action.error)
         log.info(
             "%s: %s parked via %s (%s): %s",
-            queue, message_id, action.outgoing.exchange, action.reason.value, action.error,
+            queue,
+            message_id,
+            action.outgoing.exchange,
+            action.reason.value,
+            action.error,
         )
     else:
         log.warning("%s: %s requeued: %s", queue, message_id, action.error)

@@ -171,8 +171,11 @@ class Worker:
             self._open()
             log.info(
                 "worker %s consuming %s on %s (prefetch %d, concurrency %d)",
-                self.identity, ", ".join(c.queue for c in self.consumers),
-                redact(self.url), self.prefetch, self.concurrency,
+                self.identity,
+                ", ".join(c.queue for c in self.consumers),
+                redact(self.url),
+                self.prefetch,
+                self.concurrency,
             )
             while not self._stop.is_set():
                 try:
@@ -274,7 +277,9 @@ class Worker:
         if self._inflight:
             log.warning(
                 "shutdown timeout (%.0fs): %d message(s) still being handled; the broker "
-                "will redeliver them", self.shutdown_timeout, self._inflight,
+                "will redeliver them",
+                self.shutdown_timeout,
+                self._inflight,
             )
         self._close_connection()
 
@@ -369,8 +374,11 @@ class Worker:
             if isinstance(exc, BrokerError):  # its channel is gone: open another next time
                 self._publisher = None
             log.error(
-                "could not publish %s of %s to %s: %s", type(action).__name__.lower(),
-                action.outgoing.message_id, action.outgoing.exchange, exc,
+                "could not publish %s of %s to %s: %s",
+                type(action).__name__.lower(),
+                action.outgoing.message_id,
+                action.outgoing.exchange,
+                exc,
             )
             return False
         return True
@@ -486,8 +494,11 @@ class Worker:
 
         def on_signal(signum: int, _frame: FrameType | None) -> None:
             # Only set the flag here: the loop polls it (pika is not reentrant).
-            log.info("signal %s: stopping (in-flight handlers get %.0fs)",
-                     signal.Signals(signum).name, self.shutdown_timeout)
+            log.info(
+                "signal %s: stopping (in-flight handlers get %.0fs)",
+                signal.Signals(signum).name,
+                self.shutdown_timeout,
+            )
             self._stop.set()
 
         for sig in previous:

@@ -314,7 +314,7 @@ def test_replay_through_a_tier_arrives_a_tier_later(ops: Ops) -> None:
     wait_for(lambda: ops.count(business) == 1, timeout=5, interval=0.02)
     elapsed = time.monotonic() - started
     assert 0.9 <= elapsed < 4.0
-    (props, _), = ops.drain(business)
+    ((props, _),) = ops.drain(business)
     headers = props.headers or {}
     assert (headers[h.H_TIER], headers[h.H_DELAY_MS], headers[h.H_ATTEMPT]) == ("1s", 1000, 1)
 
@@ -365,7 +365,7 @@ def test_replay_unroutable_reroutes_known_targets_and_leaves_the_rest(ops: Ops) 
     assert "u2: target 'gone.key'" in result.stderr
     assert ops.count(n.unroutable_queue()) == 1
     wait_for(lambda: ops.count(n.business_queue("orders.cancel")) == 1, timeout=5)
-    (props, _), = ops.drain(n.business_queue("orders.cancel"))
+    ((props, _),) = ops.drain(n.business_queue("orders.cancel"))
     assert props.message_id == "u1"
     assert (props.headers or {})[h.H_ATTEMPT] == 2  # never handled: attempt kept
 

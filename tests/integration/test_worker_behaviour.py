@@ -95,6 +95,7 @@ def retrying(queue: str = QUEUE, **retry: Any) -> dict[str, Any]:
 
 # -- acks and context ------------------------------------------------------------------------
 
+
 def test_acks_after_the_handler_returned(
     kind: str, declared: Declared, run_worker: Runner, broker_url: str
 ) -> None:
@@ -126,6 +127,7 @@ def test_acks_after_the_handler_returned(
 
 
 # -- retries and the parking lot ----------------------------------------------------------------
+
 
 def test_retries_through_the_tier_then_parks_with_the_reason(
     kind: str, declared: Declared, run_worker: Runner, broker_url: str
@@ -227,6 +229,7 @@ def test_a_retry_goes_back_only_to_the_queue_that_failed(
 
 # -- poison messages ---------------------------------------------------------------------------
 
+
 def test_undecodable_and_invalid_bodies_are_parked_at_once(
     kind: str, declared: Declared, run_worker: Runner, broker_url: str
 ) -> None:
@@ -254,6 +257,7 @@ def test_undecodable_and_invalid_bodies_are_parked_at_once(
 
 
 # -- handler signals ---------------------------------------------------------------------------
+
 
 def test_retry_and_reject_steer_the_message(
     kind: str, declared: Declared, run_worker: Runner, broker_url: str
@@ -294,6 +298,7 @@ def test_retry_and_reject_steer_the_message(
 
 
 # -- idempotency -------------------------------------------------------------------------------
+
 
 def test_a_duplicate_of_a_handled_message_is_acked_and_skipped(
     kind: str, declared: Declared, run_worker: Runner, broker_url: str
@@ -356,6 +361,7 @@ def test_cancel_drops_the_message_when_it_comes_due(
 
 
 # -- lifecycle ---------------------------------------------------------------------------------
+
 
 def test_graceful_stop_finishes_in_flight_handlers_and_hands_back_the_rest(
     kind: str, declared: Declared, run_worker: Runner, broker_url: str
@@ -425,8 +431,10 @@ def test_reconnects_after_the_server_closes_the_connection(
         lambda: sorted(c.message.order_id for c in calls.finished) == [40, 41], 15, "both handled"
     )
     wait_until(
-        lambda: message_count(broker_url, topology.names.business_queue(QUEUE)) == 0
-        and worker.stats.duplicates == 1,
+        lambda: (
+            message_count(broker_url, topology.names.business_queue(QUEUE)) == 0
+            and worker.stats.duplicates == 1
+        ),
         15,
         f"the redelivered 40 to be skipped as done ({worker.stats})",
     )
@@ -435,6 +443,7 @@ def test_reconnects_after_the_server_closes_the_connection(
 
 
 # -- refusing to start ---------------------------------------------------------------------------
+
 
 def test_refuses_a_queue_missing_on_the_broker_and_declares_on_request(
     kind: str, make_topology: Callable[..., Topology], run_worker: Callable[..., RunningWorker]

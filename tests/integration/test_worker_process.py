@@ -102,13 +102,27 @@ def spawn(broker_url: str, tmp_path: Path) -> Iterator[Callable[..., WorkerProce
             **env,
         }
         command = [
-            sys.executable, "-c", "from rabbit_delay.cli import main; main()",
-            "worker", "crash_app:app", "--app-dir", str(WORKERS_DIR), "--transport", kind,
-            "--url", broker_url, "--log-level", "debug", *args,
+            sys.executable,
+            "-c",
+            "from rabbit_delay.cli import main; main()",
+            "worker",
+            "crash_app:app",
+            "--app-dir",
+            str(WORKERS_DIR),
+            "--transport",
+            kind,
+            "--url",
+            broker_url,
+            "--log-level",
+            "debug",
+            *args,
         ]
         with output.open("wb") as sink:
             proc = subprocess.Popen(
-                command, env=environment, stdout=sink, stderr=subprocess.STDOUT,
+                command,
+                env=environment,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
             )
         worker = WorkerProcess(proc, output)
@@ -214,7 +228,10 @@ def test_the_cli_refuses_what_the_worker_cannot_run(
     cli = [sys.executable, "-c", "from rabbit_delay.cli import main; main()", "worker"]
     refused = subprocess.run(
         [*cli, "crash_app:app", "--app-dir", str(WORKERS_DIR), "--transport", "sync"],
-        env=env, capture_output=True, text=True, timeout=60,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert refused.returncode == 1  # ...that the sync worker cannot run
     assert "cannot run async handlers" in refused.stderr
@@ -222,7 +239,10 @@ def test_the_cli_refuses_what_the_worker_cannot_run(
 
     missing = subprocess.run(
         [*cli, "no_such_module:app", "--app-dir", str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=60,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert missing.returncode == 1
     assert "cannot import module 'no_such_module'" in missing.stderr

@@ -92,8 +92,15 @@ def test_claimed_is_not_an_outcome() -> None:
 
 
 def test_a_failure_retries_through_the_policy_tiers_to_the_failed_queue_only() -> None:
-    env = envelope(1, **{"x-death": [{"count": 1}], "x-last-death-reason": "expired",
-                         "x-delivery-count": 2, "custom": "kept"})
+    env = envelope(
+        1,
+        **{
+            "x-death": [{"count": 1}],
+            "x-last-death-reason": "expired",
+            "x-delivery-count": 2,
+            "custom": "kept",
+        },
+    )
     action = run(ValueError("boom"), env, retry={"tiers": ["1s", "30s"], "max_attempts": 4})
     assert isinstance(action, Republish)
     assert action.reason is RepublishReason.RETRY

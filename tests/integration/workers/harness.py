@@ -178,6 +178,7 @@ class RunningWorker:
 
 # -- broker state -------------------------------------------------------------------------
 
+
 def message_count(url: str, queue: str) -> int:
     """Ready messages (passive declare), on a connection of its own."""
     conn = pika.BlockingConnection(pika.URLParameters(url))
