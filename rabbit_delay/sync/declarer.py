@@ -75,7 +75,7 @@ class _Executor:
     def _run(self, op: Operation) -> object:
         ch = self.channel
         if isinstance(op, SupportsType):
-            ch.exchange_declare(TYPE_PROBE_EXCHANGE, op.exchange_type, durable=False)  # type: ignore[arg-type]
+            ch.exchange_declare(TYPE_PROBE_EXCHANGE, op.exchange_type, durable=False)
             return True
         if isinstance(op, Exists | Declare):
             passive = isinstance(op, Exists)
@@ -83,8 +83,7 @@ class _Executor:
             if isinstance(spec, ExchangeSpec):
                 ch.exchange_declare(
                     spec.name,
-                    # any type name, e.g. x-delayed-message; the stubs only know the four built in
-                    spec.type,  # type: ignore[arg-type]
+                    spec.type,
                     passive=passive,
                     durable=spec.durable,
                     arguments=dict(spec.arguments),

@@ -54,7 +54,7 @@ class Publisher(PublisherCore):
         on a missing exchange), whose unconfirmed publishes were already reported."""
         self._channel = self.connection.channel()
         # the non-blocking channel underneath: see module docstring
-        self._impl: Any = self._channel._impl  # type: ignore[attr-defined]
+        self._impl: Any = self._channel._impl
         self._pending: dict[int, str] = {}  # delivery tag -> message_id
         self._next_tag = 1
         self._returned: dict[str, str] = {}  # message_id -> reply text
@@ -91,7 +91,7 @@ class Publisher(PublisherCore):
     def _wait(self, done: Any) -> None:
         try:
             # BlockingChannel's own wait loop: runs pika's I/O until `done()` or a close
-            self._channel._flush_output(done)  # type: ignore[attr-defined]
+            self._channel._flush_output(done)
         except pika.exceptions.ChannelClosedByBroker as exc:
             if exc.reply_code == 404:
                 raise MissingObjectError(

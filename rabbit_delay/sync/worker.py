@@ -202,7 +202,7 @@ class Worker:
         conn = self._conn
         assert conn is not None
         while not self._stop.is_set():
-            conn.process_data_events(time_limit=POLL_S)  # type: ignore[arg-type]
+            conn.process_data_events(time_limit=POLL_S)
             if self._results:
                 self._drain()
 
@@ -268,7 +268,7 @@ class Worker:
                 channel.basic_cancel(tag)
             deadline = time.monotonic() + self.shutdown_timeout
             while self._inflight > 0 and time.monotonic() < deadline:
-                conn.process_data_events(time_limit=0.05)  # type: ignore[arg-type]
+                conn.process_data_events(time_limit=0.05)
                 if self._results:
                     self._drain()
         except _CONNECTION_ERRORS as exc:
@@ -293,7 +293,7 @@ class Worker:
     ) -> None:
         self._inflight += 1
         self.stats.received += 1
-        tag: int = method.delivery_tag  # type: ignore[assignment]
+        tag: int = method.delivery_tag
         self._tracker.delivered(tag)
         redelivered = bool(method.redelivered)
         self._jobs.put((self._gen, consumer, tag, redelivered, props, body))
