@@ -51,11 +51,11 @@ from rabbit_delay.consumer import App, HandlerContext
 from rabbit_delay.delays import Route
 from rabbit_delay.idempotency import MemoryStore, SQLiteStore
 from rabbit_delay.message import encode_body, now_ms
-from rabbit_delay.plan import desired
 from rabbit_delay.publishing import PublisherCore
-from rabbit_delay.sync import Publisher
+from rabbit_delay.sync import Publisher, connected
 from rabbit_delay.sync import connect as sync_connect
 from rabbit_delay.sync import declare as sync_declare
+from rabbit_delay.sync import delete_topology as sync_delete_topology
 from rabbit_delay.sync.worker import Worker
 from rabbit_delay.topology import Topology, topology_from_dict
 from rabbit_delay.urls import broker_url, redact
@@ -99,22 +99,8 @@ def make_topology(queue_type: str) -> Topology:
 
 
 def delete_topology(url: str, topology: Topology) -> None:
-    want = desired(topology)
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    try:
-        for spec in (*want.queues, *want.exchanges):
-            ch = conn.channel()
-            try:
-                if spec in want.queues:
-                    ch.queue_delete(spec.name)
-                else:
-                    ch.exchange_delete(spec.name)
-                ch.close()
-            except pika.exceptions.AMQPError:
-                pass
-    finally:
-        if conn.is_open:
-            conn.close()
+    with connected(url, name="rabbit-delay cleanup") as connection:
+        sync_delete_topology(connection, topology)
 
 
 def fill(url: str, topology: Topology, n: int) -> None:

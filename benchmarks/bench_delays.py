@@ -59,10 +59,10 @@ import pika
 import pika.exceptions
 
 from rabbit_delay.message import Outgoing, encode_body, now_ms
-from rabbit_delay.plan import desired
-from rabbit_delay.sync import Publisher
+from rabbit_delay.sync import Publisher, connected
 from rabbit_delay.sync import connect as sync_connect
 from rabbit_delay.sync import declare as sync_declare
+from rabbit_delay.sync import delete_topology as sync_delete_topology
 from rabbit_delay.topology import Topology, topology_from_dict
 from rabbit_delay.urls import ManagementEndpoint, broker_url, management_endpoint, redact
 
@@ -154,18 +154,8 @@ def declare(url: str, topology: Topology) -> None:
 
 
 def delete_topology(url: str, topology: Topology) -> None:
-    want = desired(topology)
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    try:
-        for name in [q.name for q in want.queues]:
-            with contextlib.suppress(pika.exceptions.AMQPError):
-                conn.channel().queue_delete(name)
-        for name in [e.name for e in want.exchanges]:
-            with contextlib.suppress(pika.exceptions.AMQPError):
-                conn.channel().exchange_delete(name)
-    finally:
-        if conn.is_open:
-            conn.close()
+    with connected(url, name="rabbit-delay cleanup") as connection:
+        sync_delete_topology(connection, topology)
 
 
 def purge(url: str, queues: list[str]) -> None:

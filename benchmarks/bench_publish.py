@@ -51,10 +51,10 @@ import pika.exceptions
 
 from rabbit_delay.aio import AsyncPublisher
 from rabbit_delay.message import encode_body, now_ms
-from rabbit_delay.plan import desired
-from rabbit_delay.sync import Publisher
+from rabbit_delay.sync import Publisher, connected
 from rabbit_delay.sync import connect as sync_connect
 from rabbit_delay.sync import declare as sync_declare
+from rabbit_delay.sync import delete_topology as sync_delete_topology
 from rabbit_delay.topology import Topology, topology_from_dict
 from rabbit_delay.urls import broker_url, redact
 
@@ -116,26 +116,8 @@ def make_topology(queue_type: str) -> Topology:
 
 
 def delete_topology(url: str, topology: Topology) -> None:
-    want = desired(topology)
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    try:
-        for name in [q.name for q in want.queues]:
-            ch = conn.channel()
-            try:
-                ch.queue_delete(name)
-                ch.close()
-            except pika.exceptions.AMQPError:
-                pass
-        for name in [e.name for e in want.exchanges]:
-            ch = conn.channel()
-            try:
-                ch.exchange_delete(name)
-                ch.close()
-            except pika.exceptions.AMQPError:
-                pass
-    finally:
-        if conn.is_open:
-            conn.close()
+    with connected(url, name="rabbit-delay cleanup") as connection:
+        sync_delete_topology(connection, topology)
 
 
 # -- what the raw clients send: the same bytes, properties and header count as ours ------

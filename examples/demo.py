@@ -40,8 +40,8 @@ from rabbit_delay.aio import AsyncPublisher
 from rabbit_delay.consumer import App, HandlerContext, WorkerStats
 from rabbit_delay.errors import BrokerUnavailable, RabbitDelayError
 from rabbit_delay.idempotency import MemoryStore
-from rabbit_delay.plan import desired
-from rabbit_delay.sync import Publisher, connect, declare
+from rabbit_delay.sync import Publisher, connect, connected, declare
+from rabbit_delay.sync import delete_topology as sync_delete_topology
 from rabbit_delay.sync.worker import Worker
 from rabbit_delay.topology import Topology, topology_from_dict
 from rabbit_delay.urls import broker_url, redact
@@ -201,26 +201,8 @@ def purge_business_queues(topology: Topology, url: str) -> None:
 
 
 def delete_topology(topology: Topology, url: str) -> None:
-    want = desired(topology)
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    try:
-        # A tier's exchange and buffer queue share a name: delete by kind, not by name.
-        deletions = [("queue", q.name) for q in want.queues] + [
-            ("exchange", e.name) for e in want.exchanges
-        ]
-        for kind, name in deletions:
-            ch = conn.channel()
-            try:
-                if kind == "queue":
-                    ch.queue_delete(name)
-                else:
-                    ch.exchange_delete(name)
-                ch.close()
-            except pika.exceptions.AMQPError:
-                pass
-    finally:
-        if conn.is_open:
-            conn.close()
+    with connected(url, name="rabbit-delay demo cleanup") as connection:
+        sync_delete_topology(connection, topology)
 
 
 def main(argv: list[str] | None = None) -> int:

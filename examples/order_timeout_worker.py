@@ -32,14 +32,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import pika
-import pika.exceptions
 from pydantic import BaseModel
 
 from rabbit_delay.consumer import App, HandlerContext
 from rabbit_delay.errors import BrokerUnavailable
-from rabbit_delay.plan import desired
-from rabbit_delay.sync import Publisher, connect, declare
+from rabbit_delay.sync import Publisher, connect, connected, declare
+from rabbit_delay.sync import delete_topology as sync_delete_topology
 from rabbit_delay.topology import Topology, topology_from_dict
 from rabbit_delay.urls import broker_url, redact
 
@@ -76,21 +74,8 @@ def make_app(namespace: str, store_path: Path) -> tuple[App, dict[int, str]]:
 
 
 def delete_topology(url: str, topology: Topology) -> None:
-    want = desired(topology)
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    try:
-        for name in [q.name for q in want.queues] + [e.name for e in want.exchanges]:
-            channel = conn.channel()
-            try:
-                if name in {q.name for q in want.queues}:
-                    channel.queue_delete(name)
-                else:
-                    channel.exchange_delete(name)
-                channel.close()
-            except pika.exceptions.AMQPError:
-                pass
-    finally:
-        conn.close()
+    with connected(url, name="rabbit-delay cleanup") as connection:
+        sync_delete_topology(connection, topology)
 
 
 def start_worker(app: App, url: str, use_async: bool) -> tuple[threading.Thread, Any]:

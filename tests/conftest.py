@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 import pika
 import pytest
 
-from rabbit_delay.plan import desired
+from rabbit_delay.sync import connected
+from rabbit_delay.sync import delete_topology as sync_delete_topology
 from rabbit_delay.topology import Topology, topology_from_dict
 from rabbit_delay.urls import DEFAULT_URL, ManagementEndpoint, management_endpoint
 
@@ -90,26 +91,8 @@ def unique_namespace() -> str:
 
 def delete_topology(url: str, topology: Topology) -> None:
     """Remove every object the topology declares (best effort, for test cleanup)."""
-    want = desired(topology)
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    try:
-        for q in want.queues:
-            ch = conn.channel()
-            try:
-                ch.queue_delete(q.name)
-                ch.close()
-            except pika.exceptions.AMQPError:
-                pass
-        for e in want.exchanges:
-            ch = conn.channel()
-            try:
-                ch.exchange_delete(e.name)
-                ch.close()
-            except pika.exceptions.AMQPError:
-                pass
-    finally:
-        if conn.is_open:
-            conn.close()
+    with connected(url, name="rabbit-delay cleanup") as connection:
+        sync_delete_topology(connection, topology)
 
 
 MakeTopology = Callable[..., Topology]

@@ -23,10 +23,10 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import Any, Unpack
 
 import aio_pika
 import aiormq
@@ -54,7 +54,8 @@ from rabbit_delay.consumer import (
 )
 from rabbit_delay.consumer._acks import AckTracker
 from rabbit_delay.consumer._context import clock_ms as now_ms
-from rabbit_delay.consumer._stats import WorkerMetrics, WorkerStats, log_action, worker_identity
+from rabbit_delay.consumer._stats import log_action
+from rabbit_delay.consumer._worker_base import WorkerBase, WorkerSettings
 from rabbit_delay.errors import (
     BrokerError,
     BrokerUnavailable,
@@ -63,8 +64,7 @@ from rabbit_delay.errors import (
     RabbitDelayError,
 )
 from rabbit_delay.idempotency import AsyncGuard, ClaimResult
-from rabbit_delay.metrics import Metrics
-from rabbit_delay.urls import broker_url, redact
+from rabbit_delay.urls import redact
 
 log = logging.getLogger("rabbit_delay.worker")
 
@@ -78,7 +78,7 @@ _CHANNEL_GONE = (
 )
 
 
-class AsyncWorker:
+class AsyncWorker(WorkerBase):
     """Runs an App's consumers on aio-pika until `stop()` (or SIGINT/SIGTERM).
 
     Same options and guarantees as the sync `Worker`; `concurrency` bounds handlers
@@ -89,42 +89,13 @@ class AsyncWorker:
     start, lost connections are re-opened with backoff.
     """
 
+    transport = Transport.ASYNC
+    default_concurrency = 16
+
     def __init__(
-        self,
-        app: App,
-        url: str | None = None,
-        *,
-        queues: Sequence[str] | None = None,
-        prefetch: int | None = None,
-        concurrency: int = 16,
-        declare: bool = False,
-        shutdown_timeout: float = 30.0,
-        reconnect_max_s: float = 30.0,
-        name: str | None = None,
-        install_signal_handlers: bool = True,
-        metrics: Metrics | None = None,
+        self, app: App, url: str | None = None, **settings: Unpack[WorkerSettings]
     ) -> None:
-        if concurrency < 1:
-            raise ValueError(f"concurrency must be at least 1, got {concurrency}")
-        self.app = app
-        self.consumers = app.select(queues)
-        app.check_runnable(self.consumers, Transport.ASYNC)
-        self.url = broker_url(url)
-        self.concurrency = concurrency
-        self.prefetch = prefetch if prefetch is not None else 2 * concurrency
-        if self.prefetch < 1:
-            raise ValueError(f"prefetch must be at least 1, got {self.prefetch}")
-        self.declare = declare
-        self.shutdown_timeout = shutdown_timeout
-        self.reconnect_max_s = reconnect_max_s
-        self.identity = worker_identity()
-        self.name = name or f"rabbit-delay worker {self.identity}"
-        self.install_signal_handlers = install_signal_handlers
-        self.stats = WorkerStats()
-        self.metrics = (
-            WorkerMetrics(metrics, [c.queue for c in self.consumers]) if metrics else None
-        )
-        self.started = threading.Event()  # set once consuming (again after a reconnect)
+        super().__init__(app, url, **settings)
         self._stop_requested = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -136,7 +107,7 @@ class AsyncWorker:
         self._raw: RawChannel | None = None
         self._publisher: AsyncPublisher | None = None
         self._consumer_tags: list[str] = []
-        self._sem = asyncio.Semaphore(concurrency)
+        self._sem = asyncio.Semaphore(self.concurrency)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._idle: asyncio.Event | None = None
         self._seq = iter(range(1, 1 << 62))

@@ -19,6 +19,7 @@ from rabbit_delay.plan import (
     ExchangeSpec,
     Exists,
     Kind,
+    ObjectSpec,
     Observed,
     Operation,
     Plan,
@@ -140,3 +141,32 @@ def plan(
     Raises MissingPluginError when the topology needs a plugin the broker lacks.
     """
     return run_program(connection, plan_program(desired(topology), observed))
+
+
+def delete_topology(connection: pika.BlockingConnection, topology: Topology) -> list[str]:
+    """Delete every queue and exchange the topology declares, WITH the messages in them.
+
+    For tests, demos and benchmarks, never part of normal operation (nothing else in
+    rabbit-delay deletes or purges). Objects already gone are skipped. Returns what was
+    deleted, as "queue NAME" / "exchange NAME".
+    """
+    want = desired(topology)
+    deleted: list[str] = []
+    specs: list[ObjectSpec] = [*want.queues, *want.exchanges]
+    for spec in specs:
+        channel = connection.channel()
+        try:
+            if isinstance(spec, ExchangeSpec):
+                channel.exchange_declare(spec.name, passive=True)
+                channel.exchange_delete(spec.name)
+            else:
+                channel.queue_declare(spec.name, passive=True)
+                channel.queue_delete(spec.name)
+            deleted.append(f"{spec.kind.value} {spec.name}")
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code != 404:
+                raise BrokerError(f"{exc.reply_code} {exc.reply_text}") from None
+        finally:
+            if channel.is_open:
+                channel.close()
+    return deleted

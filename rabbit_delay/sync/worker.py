@@ -21,11 +21,10 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
 from functools import partial
 from queue import SimpleQueue
 from types import FrameType
-from typing import Any
+from typing import Any, Unpack
 
 import pika
 import pika.exceptions
@@ -49,7 +48,8 @@ from rabbit_delay.consumer import (
 )
 from rabbit_delay.consumer._acks import AckTracker
 from rabbit_delay.consumer._context import clock_ms as now_ms
-from rabbit_delay.consumer._stats import WorkerMetrics, WorkerStats, log_action, worker_identity
+from rabbit_delay.consumer._stats import WorkerMetrics, log_action
+from rabbit_delay.consumer._worker_base import WorkerBase, WorkerSettings
 from rabbit_delay.errors import (
     BrokerError,
     BrokerUnavailable,
@@ -58,11 +58,10 @@ from rabbit_delay.errors import (
     RabbitDelayError,
 )
 from rabbit_delay.idempotency import ClaimResult, Guard
-from rabbit_delay.metrics import Metrics
 from rabbit_delay.sync._connection import connect
 from rabbit_delay.sync.declarer import declare as declare_topology
 from rabbit_delay.sync.publisher import Publisher
-from rabbit_delay.urls import broker_url, redact
+from rabbit_delay.urls import redact
 
 log = logging.getLogger("rabbit_delay.worker")
 
@@ -85,7 +84,7 @@ _Job = tuple[int, Consumer, int, bool, pika.spec.BasicProperties, bytes]
 _Result = tuple[int, Consumer, int, str | None, int, Action | None]
 
 
-class Worker:
+class Worker(WorkerBase):
     """Runs an App's consumers on pika until `stop()` (or SIGINT/SIGTERM).
 
     `prefetch` (default 2 x concurrency) bounds unacked deliveries per consumer;
@@ -99,42 +98,13 @@ class Worker:
     start. After a successful start, lost connections are re-opened with backoff.
     """
 
+    transport = Transport.SYNC
+    default_concurrency = 4
+
     def __init__(
-        self,
-        app: App,
-        url: str | None = None,
-        *,
-        queues: Sequence[str] | None = None,
-        prefetch: int | None = None,
-        concurrency: int = 4,
-        declare: bool = False,
-        shutdown_timeout: float = 30.0,
-        reconnect_max_s: float = 30.0,
-        name: str | None = None,
-        install_signal_handlers: bool = True,
-        metrics: Metrics | None = None,
+        self, app: App, url: str | None = None, **settings: Unpack[WorkerSettings]
     ) -> None:
-        if concurrency < 1:
-            raise ValueError(f"concurrency must be at least 1, got {concurrency}")
-        self.app = app
-        self.consumers = app.select(queues)
-        app.check_runnable(self.consumers, Transport.SYNC)
-        self.url = broker_url(url)
-        self.concurrency = concurrency
-        self.prefetch = prefetch if prefetch is not None else 2 * concurrency
-        if self.prefetch < 1:
-            raise ValueError(f"prefetch must be at least 1, got {self.prefetch}")
-        self.declare = declare
-        self.shutdown_timeout = shutdown_timeout
-        self.reconnect_max_s = reconnect_max_s
-        self.identity = worker_identity()
-        self.name = name or f"rabbit-delay worker {self.identity}"
-        self.install_signal_handlers = install_signal_handlers
-        self.stats = WorkerStats()
-        self.metrics = (
-            WorkerMetrics(metrics, [c.queue for c in self.consumers]) if metrics else None
-        )
-        self.started = threading.Event()  # set once consuming (again after a reconnect)
+        super().__init__(app, url, **settings)
         self._guard: Guard | None = (
             app.guard() if any(c.idempotent for c in self.consumers) else None
         )

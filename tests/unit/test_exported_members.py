@@ -71,12 +71,20 @@ def test_transports_all() -> None:
 
     assert sorted(rabbit_delay.sync.__all__) == [
         "Publisher",
+        "Worker",
         "connect",
         "connected",
         "declare",
+        "delete_topology",
         "plan",
     ]
-    assert sorted(rabbit_delay.aio.__all__) == ["AsyncPublisher", "connect", "declare", "plan"]
+    assert sorted(rabbit_delay.aio.__all__) == [
+        "AsyncPublisher",
+        "AsyncWorker",
+        "connect",
+        "declare",
+        "plan",
+    ]
     assert rabbit_delay.Publisher is rabbit_delay.sync.Publisher
     assert rabbit_delay.AsyncPublisher is rabbit_delay.aio.AsyncPublisher
 
