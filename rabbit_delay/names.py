@@ -26,8 +26,9 @@ H_ORIGINAL_QUEUE = "rd-original-queue"
 H_FIRST_FAILURE = "rd-first-failure-at"
 H_LAST_FAILURE = "rd-last-failure-at"
 H_PARK_REASON = "rd-park-reason"
-# Broker-owned headers stripped before any re-publish.
-BROKER_HEADER_PREFIXES = ("x-death", "x-first-death-", "x-last-death-")
+# Broker-owned headers stripped before any re-publish (quorum queues count redeliveries
+# in x-delivery-count).
+BROKER_HEADER_PREFIXES = ("x-death", "x-first-death-", "x-last-death-", "x-delivery-count")
 # The delayed-message plugin's delay header (milliseconds).
 H_PLUGIN_DELAY = "x-delay"
 

@@ -44,7 +44,7 @@ class QueueArguments(TypedDict, total=False):
 
 class ExchangeArguments(TypedDict, total=False):
     alternate_exchange: str
-    x_delayed_type: str
+    x_delayed_type: str  # always fanout: see _add_plugin
 
 
 def _wire(args: Mapping[str, object]) -> dict[str, object]:
@@ -214,26 +214,22 @@ def _add_cascade(
 def _add_plugin(
     topology: Topology, exchanges: list[ExchangeSpec], bindings: list[BindingSpec]
 ) -> None:
-    """The x-delayed-message exchange, bound to the due exchange by every business key.
+    """The x-delayed-message exchange: a pure delay stage, fanout into the due exchange.
 
-    No alternate-exchange on it: while the plugin holds a message its route returns no
-    queue, so the broker would ALSO hand every message to the alternate exchange at
-    publish time (rabbitmq-delayed-message-exchange issue #36). Due messages go on to the
-    due exchange instead, whose alternate exchange is the catch-all.
+    `x-delayed-type = fanout` with one binding to the due exchange, so routing by key
+    happens only there: a due message whose key matches no business queue reaches the
+    catch-all through the due exchange's alternate exchange, and no per-key binding of
+    the plugin exchange can be missing (the plugin cannot honour `mandatory`, so a
+    publish could not tell). No alternate-exchange on the plugin exchange itself: while
+    the plugin holds a message its route returns no queue, so the broker would ALSO hand
+    every message to the alternate exchange at publish time (plugin issue #36).
     """
-    cfg = topology.plugin
-    assert cfg is not None
     n = topology.names
     name = n.plugin_exchange()
-    # First of all objects: declaring it is the probe for the plugin. Without the plugin
-    # the broker closes the connection (503) on this declare, so it must come before the
-    # first object is created, or `declare` would leave a conflict-free but half-done
-    # topology behind. (A passive declare cannot probe: it answers 404 whatever the type.)
-    args = {"x-delayed-type": cfg.delayed_type}
-    exchanges.insert(0, ExchangeSpec(name, "x-delayed-message", args))
-    keys = (k for q, qcfg in topology.queues.items() for k in (n.queue_key(q), *qcfg.bindings))
-    for key in dict.fromkeys(keys):  # a binding key shared by two queues is bound once
-        bindings.append(BindingSpec(name, n.due_exchange(), key, Kind.EXCHANGE))
+    # First of all objects, so that even without the type probe a missing plugin (503,
+    # connection closed) stops `declare` before anything was created.
+    exchanges.insert(0, ExchangeSpec(name, "x-delayed-message", {"x-delayed-type": "fanout"}))
+    bindings.append(BindingSpec(name, n.due_exchange(), "", Kind.EXCHANGE))
 
 
 # -- comparing with the broker ----------------------------------------------------------

@@ -34,8 +34,6 @@ from rabbit_delay.topology import Topology
 
 # `rd-tier` of a message replayed without delay.
 IMMEDIATE = "now"
-# Broker-owned like x-death (quorum queues count redeliveries in it): never re-published.
-X_DELIVERY_COUNT = "x-delivery-count"
 # Written when a message is parked; meaningless once it is replayed.
 PARKING_HEADERS = (
     h.H_ERROR_TYPE,
@@ -50,18 +48,11 @@ PARKING_HEADERS = (
 ROUTE_HEADERS = (h.H_DUE_AT, h.H_DELAY_MS, h.H_TIER, h.H_ATTEMPT, h.H_TARGET, h.H_PLUGIN_DELAY)
 
 
-def republish_headers(headers: Mapping[str, object]) -> dict[str, object]:
-    """Headers minus the broker's own (x-death..., x-delivery-count)."""
-    kept = strip_broker_headers(headers)
-    kept.pop(X_DELIVERY_COUNT, None)
-    return kept
-
-
 def replay_headers(headers: Mapping[str, object]) -> dict[str, object]:
     """The headers a replayed parked message keeps: all but the broker's, the parking
     ones and those of its previous route."""
     dropped = {*PARKING_HEADERS, *ROUTE_HEADERS}
-    return {k: v for k, v in republish_headers(headers).items() if k not in dropped}
+    return {k: v for k, v in strip_broker_headers(headers).items() if k not in dropped}
 
 
 def _text(value: object) -> str | None:
@@ -292,7 +283,7 @@ class UnroutableReplay:
 
     def decide(self, msg: Stored, now_ms: int) -> Reroute | Leave:
         n = self.topology.names
-        headers = republish_headers(msg.headers)
+        headers = strip_broker_headers(msg.headers)
         if msg.exchange == n.parking_exchange():
             queue = self._parked_queue(msg)
             if queue is None:
@@ -335,6 +326,5 @@ __all__ = [
     "UnroutableReplay",
     "iso_ms",
     "replay_headers",
-    "republish_headers",
     "resolve_queue",
 ]

@@ -123,9 +123,8 @@ class CascadeConfig(_Model):
 
 
 class PluginConfig(_Model):
-    """Arbitrary delays through the rabbitmq_delayed_message_exchange plugin."""
-
-    delayed_type: Literal["direct", "topic"] = "direct"
+    """Arbitrary delays through the rabbitmq_delayed_message_exchange plugin (`[plugin]`,
+    an empty table: the plugin exchange only delays; the due exchange routes)."""
 
 
 class IdempotencyConfig(_Model):
@@ -253,8 +252,13 @@ def format_validation_error(error: ValidationError, source: str) -> str:
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             owner = _model_at(loc[:-1])
-            allowed = ", ".join(owner.model_fields) if owner else "see docs/topology.md"
-            msg = f"unknown key {loc[-1]!r}; allowed keys here: {allowed}"
+            if owner is None:
+                msg = f"unknown key {loc[-1]!r}; see docs/topology.md"
+            elif not owner.model_fields:
+                msg = f"unknown key {loc[-1]!r}; this table takes no keys"
+            else:
+                allowed = ", ".join(owner.model_fields)
+                msg = f"unknown key {loc[-1]!r}; allowed keys here: {allowed}"
         elif err["type"] == "string_pattern_mismatch":
             msg = f"{err['input']!r} is not allowed: {msg}"
         # A whole-topology check (loc ()) already names its fields in the message.

@@ -29,6 +29,7 @@ from rabbit_delay.cli._app import (
 from rabbit_delay.durations import parse_ms
 from rabbit_delay.errors import DeclarationConflict, DurationError
 from rabbit_delay.management import observe
+from rabbit_delay.names import H_DUE_AT, H_TIER
 from rabbit_delay.plan import Action, Observed, Plan, PlanItem
 from rabbit_delay.topology import Topology
 from rabbit_delay.urls import management_endpoint, redact
@@ -273,8 +274,8 @@ def publish(
         "message_id": out_msg.message_id,
         "exchange": out_msg.exchange,
         "routing_key": out_msg.routing_key,
-        "due_at_ms": out_msg.headers["rd-due-at"],
-        "tier": out_msg.headers["rd-tier"],
+        "due_at_ms": out_msg.headers[H_DUE_AT],
+        "tier": out_msg.headers[H_TIER],
     }
     if as_json:
         print_json(result)

@@ -32,9 +32,8 @@ from rabbit_delay.consumer._signals import Reject, Retry
 from rabbit_delay.delays import Route, Router
 from rabbit_delay.errors import ConfigError, DelayError, UnknownTargetError
 from rabbit_delay.idempotency import ClaimResult
-from rabbit_delay.message import BINARY, Envelope, Outgoing, new_message_id
+from rabbit_delay.message import BINARY, Envelope, Outgoing, new_message_id, strip_broker_headers
 from rabbit_delay.publishing import PublisherCore
-from rabbit_delay.replay import republish_headers
 from rabbit_delay.topology import Topology
 
 # Header budget: AMQP headers travel in one frame (frame_max, 128 KiB by default).
@@ -237,7 +236,7 @@ def format_traceback(exc: BaseException) -> str:
 def _failure_headers(
     env: Envelope, now_ms: int, error_type: str, message: str
 ) -> dict[str, object]:
-    headers = republish_headers(env.headers)
+    headers = strip_broker_headers(env.headers)
     headers.setdefault(h.H_FIRST_FAILURE, now_ms)
     headers[h.H_LAST_FAILURE] = now_ms
     headers[h.H_ERROR_TYPE] = error_type
@@ -301,7 +300,7 @@ def decide(
             # quorum queue every requeue counts towards x-delivery-limit): look again
             # after the shortest tier, same attempt. By then the copy is done (this one is
             # skipped) or its lease has expired (this one runs).
-            headers = republish_headers(env.headers)
+            headers = strip_broker_headers(env.headers)
             out = PublisherCore.outgoing(
                 policy.defer_route,
                 body,

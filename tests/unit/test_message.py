@@ -160,6 +160,7 @@ def test_strip_broker_headers() -> None:
         "x-death": [{}],
         "x-first-death-queue": "q",
         "x-last-death-reason": "expired",
+        "x-delivery-count": 3,
         "x-delay": 5,
         "rd-attempt": 2,
         "custom": "kept",

@@ -10,7 +10,7 @@ import pytest
 
 from rabbit_delay import names as h
 from rabbit_delay.errors import DelayError, UnknownTargetError
-from rabbit_delay.message import BINARY, JSON
+from rabbit_delay.message import BINARY, JSON, strip_broker_headers
 from rabbit_delay.replay import (
     IMMEDIATE,
     Leave,
@@ -19,7 +19,6 @@ from rabbit_delay.replay import (
     Stored,
     UnroutableReplay,
     replay_headers,
-    republish_headers,
     resolve_queue,
 )
 from rabbit_delay.topology import Topology, topology_from_dict
@@ -85,8 +84,8 @@ def test_replay_headers_keep_only_the_applications() -> None:
     assert replay_headers(parked_headers()) == {"tenant": "acme", "trace-id": b"abc"}
 
 
-def test_republish_headers_drop_only_the_brokers() -> None:
-    kept = republish_headers(parked_headers())
+def test_strip_broker_headers_drops_only_the_brokers() -> None:
+    kept = strip_broker_headers(parked_headers())
     assert not {k for k in kept if k.startswith("x-")}
     assert kept[h.H_ERROR_TYPE] == "ValueError"
     assert kept[h.H_ATTEMPT] == 3

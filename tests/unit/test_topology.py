@@ -133,7 +133,7 @@ def test_models_are_frozen(tmp_path: Path) -> None:
             "idempotency.storage",
             ["store", "path", "lease"],
         ),
-        (BASE + '[plugin]\ntype = "direct"\n', "plugin.type", ["delayed_type"]),
+        (BASE + '[plugin]\ntype = "direct"\n', "plugin.type", ["this table takes no keys"]),
     ],
 )
 def test_unknown_keys_name_file_field_path_and_allowed_keys(
