@@ -58,6 +58,7 @@ from urllib.parse import quote
 import pika
 import pika.exceptions
 
+from rabbit_delay.errors import RabbitDelayError
 from rabbit_delay.message import Outgoing, encode_body, now_ms
 from rabbit_delay.sync import Publisher, connected
 from rabbit_delay.sync import connect as sync_connect
@@ -154,8 +155,16 @@ def declare(url: str, topology: Topology) -> None:
 
 
 def delete_topology(url: str, topology: Topology) -> None:
-    with connected(url, name="rabbit-delay cleanup") as connection:
-        sync_delete_topology(connection, topology)
+    # Deleting a quorum queue that holds 100,000 messages can time out on the broker
+    # (541) while it goes on deleting: retry on a new connection; gone objects are skipped.
+    for attempt in range(1, 6):
+        try:
+            with connected(url, name="rabbit-delay cleanup") as connection:
+                sync_delete_topology(connection, topology)
+            return
+        except RabbitDelayError as exc:
+            print(f"cleanup attempt {attempt}: {exc}", file=sys.stderr)
+            time.sleep(2 * attempt)
 
 
 def purge(url: str, queues: list[str]) -> None:

@@ -166,6 +166,10 @@ def delete_topology(connection: pika.BlockingConnection, topology: Topology) -> 
         except pika.exceptions.ChannelClosedByBroker as exc:
             if exc.reply_code != 404:
                 raise BrokerError(f"{exc.reply_code} {exc.reply_text}") from None
+        except pika.exceptions.ConnectionClosedByBroker as exc:
+            raise BrokerError(
+                f"connection closed while deleting {spec.name!r}: {exc.reply_code} {exc.reply_text}"
+            ) from None
         finally:
             if channel.is_open:
                 channel.close()
