@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
 
 from rabbit_delay import names as h
 from rabbit_delay.delays import Route, Router
 from rabbit_delay.durations import parse_ms
-from rabbit_delay.errors import DelayError, DurationError
+from rabbit_delay.errors import DelayError, DurationError, RabbitDelayError
 from rabbit_delay.message import (
     Body,
     Outgoing,
@@ -19,6 +21,9 @@ from rabbit_delay.message import (
 )
 from rabbit_delay.topology import Topology
 
+if TYPE_CHECKING:
+    from rabbit_delay.metrics import Metrics
+
 DelayLike = timedelta | int | float
 
 
@@ -28,9 +33,31 @@ class PublisherCore:
     The sync and async publishers inherit this and only move bytes.
     """
 
-    def __init__(self, topology: Topology) -> None:
+    def __init__(self, topology: Topology, *, metrics: Metrics | None = None) -> None:
         self.topology = topology
         self.router = Router(topology)
+        self.metrics = metrics
+
+    def record(self, outs: Sequence[Outgoing], error: RabbitDelayError | None = None) -> None:
+        """Count a batch in the metrics, by target and tier: the ids an error names (all
+        of them when it names none: nothing is known to be confirmed) as failed, the rest
+        as published. A no-op without metrics."""
+        metrics = self.metrics
+        if metrics is None:
+            return
+        failed: set[str] = set()
+        if error is not None:
+            named = getattr(error, "message_ids", ())
+            failed = set(named) if named else {o.message_id for o in outs}
+        sent: Counter[tuple[str, str]] = Counter()
+        for out in outs:
+            target = str(out.headers[h.H_TARGET])
+            if out.message_id in failed and error is not None:
+                metrics.publish_error(target, error)
+            else:
+                sent[(target, str(out.headers[h.H_TIER]))] += 1
+        for (target, tier), count in sent.items():
+            metrics.published(target, tier, count)
 
     def route(
         self,

@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 import aiormq
 from aio_pika.abc import AbstractChannel as AbstractAioChannel
@@ -20,10 +20,19 @@ from aiormq.abc import AbstractChannel
 from pamqp.commands import Basic
 
 from rabbit_delay.aio._connection import plain_channel
-from rabbit_delay.errors import BrokerError, MissingObjectError, NackError, UnroutableError
+from rabbit_delay.errors import (
+    BrokerError,
+    MissingObjectError,
+    NackError,
+    RabbitDelayError,
+    UnroutableError,
+)
 from rabbit_delay.message import Body, Outgoing, encode_body, now_ms
 from rabbit_delay.publishing import DelayLike, PublisherCore
 from rabbit_delay.topology import Topology
+
+if TYPE_CHECKING:
+    from rabbit_delay.metrics import Metrics
 
 PERSISTENT = 2
 DEFAULT_WINDOW = 256
@@ -43,8 +52,9 @@ class AsyncPublisher(PublisherCore):
         *,
         window: int = DEFAULT_WINDOW,
         own: bool = False,
+        metrics: Metrics | None = None,
     ) -> None:
-        super().__init__(topology)
+        super().__init__(topology, metrics=metrics)
         self.connection = connection
         self.window = window
         self._own = own
@@ -54,13 +64,17 @@ class AsyncPublisher(PublisherCore):
 
     @classmethod
     async def connect(
-        cls, topology: Topology, url: str | None = None, *, window: int = DEFAULT_WINDOW
+        cls,
+        topology: Topology,
+        url: str | None = None,
+        *,
+        window: int = DEFAULT_WINDOW,
+        metrics: Metrics | None = None,
     ) -> AsyncPublisher:
         from rabbit_delay.aio._connection import connect
 
-        publisher = cls(
-            topology, await connect(url, name="rabbit-delay publisher"), window=window, own=True
-        )
+        connection = await connect(url, name="rabbit-delay publisher")
+        publisher = cls(topology, connection, window=window, own=True, metrics=metrics)
         await publisher.open()
         return publisher
 
@@ -122,6 +136,17 @@ class AsyncPublisher(PublisherCore):
         ids that failed (the others were confirmed).
         """
         outs = list(messages)
+        if self.metrics is None:
+            return await self._publish(outs)
+        try:
+            ids = await self._publish(outs)
+        except RabbitDelayError as exc:
+            self.record(outs, exc)
+            raise
+        self.record(outs)
+        return ids
+
+    async def _publish(self, outs: list[Outgoing]) -> list[str]:
         if len(outs) == 1:
             await self._send(outs[0])
             return [outs[0].message_id]
@@ -163,7 +188,7 @@ class AsyncPublisher(PublisherCore):
             message_id=message_id,
             headers=headers,
         )
-        await self._send(out)
+        await self.publish_outgoing((out,))
         return out.message_id
 
     async def publish_many(

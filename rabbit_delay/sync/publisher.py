@@ -10,18 +10,27 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import pika
 import pika.exceptions
 import pika.frame
 import pika.spec
 
-from rabbit_delay.errors import BrokerError, MissingObjectError, NackError, UnroutableError
+from rabbit_delay.errors import (
+    BrokerError,
+    MissingObjectError,
+    NackError,
+    RabbitDelayError,
+    UnroutableError,
+)
 from rabbit_delay.message import Body, Outgoing, encode_body, now_ms
 from rabbit_delay.publishing import DelayLike, PublisherCore
 from rabbit_delay.sync._connection import connect
 from rabbit_delay.topology import Topology
+
+if TYPE_CHECKING:
+    from rabbit_delay.metrics import Metrics
 
 PERSISTENT = 2
 DEFAULT_WINDOW = 256
@@ -40,8 +49,9 @@ class Publisher(PublisherCore):
         *,
         connection: pika.BlockingConnection | None = None,
         window: int = DEFAULT_WINDOW,
+        metrics: Metrics | None = None,
     ) -> None:
-        super().__init__(topology)
+        super().__init__(topology, metrics=metrics)
         self._own_connection = connection is None
         self.connection = (
             connection if connection is not None else connect(url, name="rabbit-delay publisher")
@@ -122,6 +132,18 @@ class Publisher(PublisherCore):
         NackError naming the ids that failed (the others were confirmed), and
         MissingObjectError if an exchange does not exist.
         """
+        if self.metrics is None:
+            return self._publish(messages)
+        outs = list(messages)
+        try:
+            ids = self._publish(outs)
+        except RabbitDelayError as exc:
+            self.record(outs, exc)
+            raise
+        self.record(outs)
+        return ids
+
+    def _publish(self, messages: Iterable[Outgoing]) -> list[str]:
         if self._channel.is_closed:
             self._open_channel()
         ids: list[str] = []
