@@ -23,7 +23,7 @@ signals, not failures of the library.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -60,11 +60,21 @@ class EncodeError(PublishError, ValueError):
 
 
 class UnroutableError(PublishError):
-    """The broker returned the message: no queue was bound for it."""
+    """The broker returned the message: no queue was bound for it.
 
-    def __init__(self, message: str, *, message_ids: Sequence[str] = ()) -> None:
+    `replies` maps each returned message_id to the broker's reply text (e.g. NO_ROUTE).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        message_ids: Sequence[str] = (),
+        replies: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message_ids = tuple(message_ids)
+        self.replies = dict(replies or {})
 
 
 class NackError(PublishError):

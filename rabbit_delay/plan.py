@@ -378,6 +378,13 @@ class SupportsType:
 Operation = Exists | Declare | Bind | SupportsType
 
 
+def describe(op: Operation) -> str:
+    """What an operation was doing, for error messages."""
+    if isinstance(op, SupportsType):
+        return f"probing exchange type {op.exchange_type!r}"
+    return f"{type(op).__name__.lower()} {op.spec.kind.value} {op.spec.name!r}"
+
+
 def _probe_types(want: Desired) -> Generator[Operation, object, None]:
     for exchange_type in sorted({e.type for e in want.exchanges} - BUILTIN_EXCHANGE_TYPES):
         yield SupportsType(exchange_type)

@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING
 from rabbit_delay import names as h
 from rabbit_delay.delays import Route, Router
 from rabbit_delay.durations import parse_ms
-from rabbit_delay.errors import DelayError, DurationError, RabbitDelayError
+from rabbit_delay.errors import (
+    DelayError,
+    DurationError,
+    NackError,
+    PublishError,
+    RabbitDelayError,
+    UnroutableError,
+)
 from rabbit_delay.message import (
     Body,
     Outgoing,
@@ -25,6 +32,26 @@ if TYPE_CHECKING:
     from rabbit_delay.metrics import Metrics
 
 DelayLike = timedelta | int | float
+
+
+def confirm_failure(returned: Mapping[str, str], nacked: Sequence[str]) -> PublishError | None:
+    """The one error for publishes the broker returned (message_id -> reply text) or
+    nacked, or None. Returned ones win: they need the topology fixed, a nack only a retry.
+    """
+    if returned:
+        reasons = ", ".join(sorted(set(returned.values())))
+        return UnroutableError(
+            f"{len(returned)} message(s) returned by the broker ({reasons}): no queue is bound "
+            "for them; check the topology is declared (`rabbit-delay plan`)",
+            message_ids=list(returned),
+            replies=returned,
+        )
+    if nacked:
+        return NackError(
+            f"{len(nacked)} message(s) nacked by the broker; publish them again",
+            message_ids=list(nacked),
+        )
+    return None
 
 
 class PublisherCore:

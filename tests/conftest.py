@@ -123,13 +123,26 @@ def make_topology(broker_url: str) -> Iterator[MakeTopology]:
         delete_topology(broker_url, topology)
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.05) -> Any:
-    """Poll until `predicate()` is truthy; fail the test at the deadline."""
+def message_count(url: str, queue: str) -> int:
+    """Ready messages in `queue`, read live with a passive declare (the management API's
+    figures lag by seconds)."""
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        return int(conn.channel().queue_declare(queue, passive=True).method.message_count)
+    finally:
+        conn.close()
+
+
+def wait_for(
+    predicate: Callable[[], Any], timeout: float, what: str = "condition", interval: float = 0.05
+) -> Any:
+    """Poll until `predicate()` is truthy and return its value; fail the test, naming
+    `what`, at the deadline. The one polling helper of the suite."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            pytest.fail(f"condition not met within {timeout}s")
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)

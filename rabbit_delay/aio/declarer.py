@@ -26,6 +26,7 @@ from rabbit_delay.plan import (
     Plan,
     SupportsType,
     declare_program,
+    describe,
     desired,
     plan_program,
 )
@@ -62,20 +63,20 @@ class _Executor:
             self._ch = None
             if isinstance(op, SupportsType):
                 return True  # the type passed the check; the reserved name was refused
-            raise BrokerError(f"{_text(exc)} (while {_describe(op)})") from None
+            raise BrokerError(f"{_text(exc)} (while {describe(op)})") from None
         except aiormq.exceptions.ChannelNotFoundEntity as exc:
             self._ch = None
             if isinstance(op, Exists):
                 return False
-            raise MissingObjectError(f"{_text(exc)} (while {_describe(op)})") from None
+            raise MissingObjectError(f"{_text(exc)} (while {describe(op)})") from None
         except aiormq.exceptions.ChannelPreconditionFailed as exc:
             self._ch = None
             if isinstance(op, Declare):
                 return _text(exc)
-            raise BrokerError(f"{_text(exc)} (while {_describe(op)})") from None
+            raise BrokerError(f"{_text(exc)} (while {describe(op)})") from None
         except aiormq.exceptions.ChannelClosed as exc:
             self._ch = None
-            raise BrokerError(f"{_text(exc)} (while {_describe(op)})") from None
+            raise BrokerError(f"{_text(exc)} (while {describe(op)})") from None
         except aiormq.exceptions.ConnectionClosed as exc:
             if UNKNOWN_EXCHANGE_TYPE in _text(exc):
                 raise MissingPluginError(f"{_text(exc)}: {PLUGIN_HINT}") from None
@@ -119,12 +120,6 @@ def _text(exc: BaseException) -> str:
     frame = exc.args[0] if exc.args else None
     reply = getattr(frame, "reply_text", None)
     return str(reply) if reply is not None else str(exc)
-
-
-def _describe(op: Operation) -> str:
-    if isinstance(op, SupportsType):
-        return f"probing exchange type {op.exchange_type!r}"
-    return f"{type(op).__name__.lower()} {op.spec.kind.value} {op.spec.name!r}"
 
 
 async def run_program(

@@ -24,11 +24,12 @@ from rabbit_delay.errors import (
     BrokerError,
     MissingObjectError,
     NackError,
+    PublishError,
     RabbitDelayError,
     UnroutableError,
 )
 from rabbit_delay.message import Body, Outgoing, encode_body, now_ms
-from rabbit_delay.publishing import DelayLike, PublisherCore
+from rabbit_delay.publishing import DelayLike, PublisherCore, confirm_failure
 from rabbit_delay.topology import Topology
 
 if TYPE_CHECKING:
@@ -114,16 +115,9 @@ class AsyncPublisher(PublisherCore):
         except aiormq.exceptions.PublishError as exc:
             # exc.message is the returned message; its delivery frame is a Basic.Return
             reply = getattr(getattr(exc.message, "delivery", None), "reply_text", "NO_ROUTE")
-            raise UnroutableError(
-                f"message {out.message_id} returned by the broker ({reply}): no queue is "
-                "bound for it; check the topology is declared (`rabbit-delay plan`)",
-                message_ids=[out.message_id],
-            ) from None
+            raise _failure({out.message_id: str(reply)}, ()) from None
         except aiormq.exceptions.DeliveryError:
-            raise NackError(
-                f"message {out.message_id} nacked by the broker; publish it again",
-                message_ids=[out.message_id],
-            ) from None
+            raise _failure({}, (out.message_id,)) from None
         except aiormq.exceptions.ChannelNotFoundEntity as exc:
             raise MissingObjectError(f"{exc}; run `rabbit-delay declare` first") from None
         except aiormq.exceptions.ChannelClosed as exc:
@@ -222,18 +216,19 @@ class AsyncPublisher(PublisherCore):
         await self.close()
 
 
+def _failure(returned: dict[str, str], nacked: tuple[str, ...]) -> PublishError:
+    error = confirm_failure(returned, nacked)
+    assert error is not None
+    return error
+
+
 def _raise_combined(failures: list[BaseException]) -> None:
-    unroutable = [f for f in failures if isinstance(f, UnroutableError)]
-    nacked = [f for f in failures if isinstance(f, NackError)]
+    """One error for a batch, as the sync publisher raises it (see confirm_failure)."""
     other = [f for f in failures if not isinstance(f, UnroutableError | NackError)]
     if other:
         raise other[0]
-    if unroutable:
-        ids = [i for f in unroutable for i in f.message_ids]
-        raise UnroutableError(
-            f"{len(ids)} message(s) returned by the broker: {unroutable[0]}", message_ids=ids
-        )
-    ids = [i for f in nacked for i in f.message_ids]
-    raise NackError(
-        f"{len(ids)} message(s) nacked by the broker; publish them again", message_ids=ids
-    )
+    returned = {
+        i: r for f in failures if isinstance(f, UnroutableError) for i, r in f.replies.items()
+    }
+    nacked = [i for f in failures if isinstance(f, NackError) for i in f.message_ids]
+    raise _failure(returned, tuple(nacked))

@@ -8,12 +8,16 @@ import logging
 import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from rabbit_delay.cli._app import UrlOpt, app, errors_to_exit, fail, url_for
 from rabbit_delay.consumer import App, Transport
+from rabbit_delay.consumer._worker_base import WorkerSettings
+
+if TYPE_CHECKING:
+    from rabbit_delay.aio.worker import AsyncWorker
 from rabbit_delay.durations import parse_ms
 from rabbit_delay.errors import DurationError
 
@@ -146,43 +150,30 @@ def worker(
 
             metrics = default_metrics()
             start_metrics_server(metrics_port)
+        # concurrency None: each worker's own default (4 threads, 16 tasks)
+        settings: WorkerSettings = {
+            "queues": queue,
+            "prefetch": prefetch,
+            "concurrency": concurrency,
+            "declare": declare,
+            "shutdown_timeout": timeout_s,
+            "metrics": metrics,
+        }
         try:
             if chosen is Transport.SYNC:
                 from rabbit_delay.sync.worker import Worker
 
-                Worker(
-                    the_app,
-                    broker,
-                    queues=queue,
-                    prefetch=prefetch,
-                    concurrency=concurrency or 4,
-                    declare=declare,
-                    shutdown_timeout=timeout_s,
-                    metrics=metrics,
-                ).run()
+                Worker(the_app, broker, **settings).run()
             else:
                 from rabbit_delay.aio.worker import AsyncWorker
 
-                async_worker = AsyncWorker(
-                    the_app,
-                    broker,
-                    queues=queue,
-                    prefetch=prefetch,
-                    concurrency=concurrency or 16,
-                    declare=declare,
-                    shutdown_timeout=timeout_s,
-                    metrics=metrics,
-                )
-                asyncio.run(_run_async(the_app, async_worker))
+                asyncio.run(_run_async(the_app, AsyncWorker(the_app, broker, **settings)))
         finally:
             if chosen is Transport.SYNC:
                 the_app.close()
 
 
-async def _run_async(the_app: App, async_worker: object) -> None:
-    from rabbit_delay.aio.worker import AsyncWorker
-
-    assert isinstance(async_worker, AsyncWorker)
+async def _run_async(the_app: App, async_worker: AsyncWorker) -> None:
     try:
         await async_worker.run()
     finally:

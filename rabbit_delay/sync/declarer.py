@@ -25,6 +25,7 @@ from rabbit_delay.plan import (
     Plan,
     SupportsType,
     declare_program,
+    describe,
     desired,
     plan_program,
 )
@@ -62,10 +63,8 @@ class _Executor:
             if isinstance(op, SupportsType) and exc.reply_code == 403:
                 return True  # the type passed the check; the reserved name was refused
             if exc.reply_code == 404:
-                raise MissingObjectError(f"{exc.reply_text} (while {_describe(op)})") from None
-            raise BrokerError(
-                f"{exc.reply_code} {exc.reply_text} (while {_describe(op)})"
-            ) from None
+                raise MissingObjectError(f"{exc.reply_text} (while {describe(op)})") from None
+            raise BrokerError(f"{exc.reply_code} {exc.reply_text} (while {describe(op)})") from None
         except pika.exceptions.ConnectionClosedByBroker as exc:
             if UNKNOWN_EXCHANGE_TYPE in exc.reply_text:
                 raise MissingPluginError(f"{exc.reply_text}: {PLUGIN_HINT}") from None
@@ -100,12 +99,6 @@ class _Executor:
         else:
             ch.exchange_bind(b.destination, b.source, routing_key=b.routing_key)
         return None
-
-
-def _describe(op: Operation) -> str:
-    if isinstance(op, SupportsType):
-        return f"probing exchange type {op.exchange_type!r}"
-    return f"{type(op).__name__.lower()} {op.spec.kind.value} {op.spec.name!r}"
 
 
 def run_program(connection: pika.BlockingConnection, program: Generator[Operation, object, T]) -> T:

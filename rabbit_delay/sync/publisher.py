@@ -20,12 +20,10 @@ import pika.spec
 from rabbit_delay.errors import (
     BrokerError,
     MissingObjectError,
-    NackError,
     RabbitDelayError,
-    UnroutableError,
 )
 from rabbit_delay.message import Body, Outgoing, encode_body, now_ms
-from rabbit_delay.publishing import DelayLike, PublisherCore
+from rabbit_delay.publishing import DelayLike, PublisherCore, confirm_failure
 from rabbit_delay.sync._connection import connect
 from rabbit_delay.topology import Topology
 
@@ -158,21 +156,10 @@ class Publisher(PublisherCore):
         return ids
 
     def _raise_failures(self) -> None:
-        if self._returned:
-            returned, self._returned = self._returned, {}
-            reasons = sorted(set(returned.values()))
-            raise UnroutableError(
-                f"{len(returned)} message(s) returned by the broker ({', '.join(reasons)}): "
-                "no queue is bound for them; check the topology is declared "
-                "(`rabbit-delay plan`)",
-                message_ids=list(returned),
-            )
-        if self._nacked:
-            nacked, self._nacked = self._nacked, []
-            raise NackError(
-                f"{len(nacked)} message(s) nacked by the broker; publish them again",
-                message_ids=nacked,
-            )
+        error = confirm_failure(self._returned, self._nacked)
+        self._returned, self._nacked = {}, []
+        if error is not None:
+            raise error
 
     def publish_delayed(
         self,

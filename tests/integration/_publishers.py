@@ -26,6 +26,7 @@ from urllib.parse import quote
 
 import pika
 import pika.exceptions
+from conftest import wait_for
 
 from rabbit_delay.plan import DeclareReport, Observed, Plan
 from rabbit_delay.topology import Topology
@@ -273,36 +274,12 @@ def queue_info(endpoint: ManagementEndpoint, name: str) -> dict[str, Any]:
     return info
 
 
-def message_count(url: str, queue: str) -> int:
-    """Ready messages in `queue`, read with a passive declare (no stats delay)."""
-    connection = pika.BlockingConnection(pika.URLParameters(url))
-    try:
-        frame = connection.channel().queue_declare(queue, passive=True)
-        count: int = frame.method.message_count
-        return count
-    finally:
-        connection.close()
-
-
 def delete_queue(url: str, queue: str) -> None:
     connection = pika.BlockingConnection(pika.URLParameters(url))
     try:
         connection.channel().queue_delete(queue)
     finally:
         connection.close()
-
-
-def wait_until(
-    predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05
-) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout}s")
-        time.sleep(interval)
 
 
 # -- a consumer that records arrivals -------------------------------------------------------
@@ -392,4 +369,4 @@ class Collector:
                 raise self._error[0]
             return wanted <= {a.message_id for a in list(self.arrivals)}
 
-        wait_until(done, timeout, f"messages {sorted(wanted)} to arrive")
+        wait_for(done, timeout, f"messages {sorted(wanted)} to arrive")

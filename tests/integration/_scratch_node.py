@@ -22,7 +22,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -345,20 +345,3 @@ class Collector(threading.Thread):
                     f"{self.queue} within {timeout}s (consumer errors: {self.errors[-3:]})"
                 )
             time.sleep(0.05)
-
-
-def drain_count(url: str, queue: str) -> int:
-    """Messages ready in `queue` right now (passive declare)."""
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    try:
-        return int(conn.channel().queue_declare(queue, passive=True).method.message_count)
-    finally:
-        conn.close()
-
-
-def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout}s")
-        time.sleep(0.05)

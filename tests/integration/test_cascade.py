@@ -18,6 +18,7 @@ from typing import Any, cast
 
 import pika
 import pytest
+from conftest import message_count
 
 from rabbit_delay import delays
 from rabbit_delay import names as h
@@ -26,7 +27,7 @@ from rabbit_delay.message import Outgoing, now_ms
 from rabbit_delay.sync import Publisher, connect, declare
 from rabbit_delay.topology import Topology, topology_from_dict
 
-from ._scratch_node import Collector, Received, ScratchNode, drain_count, scratch_node
+from ._scratch_node import Collector, Received, ScratchNode, scratch_node
 
 __all__ = ["scratch_node"]  # the fixture, imported to be found by pytest
 
@@ -155,9 +156,9 @@ def test_limits_are_refused_before_anything_is_sent(
         monkeypatch.setattr(delays, "MAX_ROUTING_KEY_BYTES", 20)
         with pytest.raises(DelayError, match="short `alias`"):
             publisher.publish_delayed(b"long key", queue="orders.cancel", delay=2)
-    counts = [drain_count(broker_url, n.cascade_queue(level)) for level in range(4)]
+    counts = [message_count(broker_url, n.cascade_queue(level)) for level in range(4)]
     assert counts == [0, 0, 0, 1]  # only the accepted message was sent
-    assert drain_count(broker_url, n.unroutable_queue()) == 0
+    assert message_count(broker_url, n.unroutable_queue()) == 0
 
 
 @pytest.mark.slow
@@ -230,7 +231,7 @@ def test_delivery_survives_a_broker_restart(scratch_node: ScratchNode, how: str)
     assert sum(down_ms < d < up_ms for d in dues.values()) >= 10  # due while it was down
     for message_id, r in got.items():
         assert r.arrival_ms >= dues[message_id], f"{message_id} arrived early"
-    assert drain_count(url, n.unroutable_queue()) == 0
+    assert message_count(url, n.unroutable_queue()) == 0
     duplicates = len(orders.received) - len(got)
     later = sorted(r.arrival_ms - dues[m] for m, r in got.items() if dues[m] > up_ms)
     print(f"{how}: down {up_ms - down_ms} ms, {len(got)} delivered, {duplicates} duplicate(s)")

@@ -14,13 +14,14 @@ from typing import Any
 
 import pika
 import pytest
+from conftest import message_count, wait_for
 from typer.testing import CliRunner, Result
 
 from rabbit_delay.cli._app import app, load_commands
 from rabbit_delay.topology import Topology
 from rabbit_delay.urls import MANAGEMENT_URL_ENV, URL_ENV, ManagementEndpoint
 
-from ._publishers import broker_state, delete_queue, queue_info, wait_until
+from ._publishers import broker_state, delete_queue, queue_info
 
 pytestmark = pytest.mark.integration
 
@@ -280,13 +281,13 @@ def test_publish_one_message_that_arrives(topo: tuple[Topology, Path], broker_ur
             method, properties, body = channel.basic_get(queue, auto_ack=True)
             return (properties, body) if method is not None else None
 
-        properties, body = wait_until(
+        properties, body = wait_for(
             lambda: get(topology.names.business_queue("orders.cancel")), 1 + 5, "the CLI message"
         )
         assert json.loads(body) == {"order_id": 42}
         assert properties.message_id == "cli-1"
         assert properties.headers["rd-tier"] == "1s"
-        _props, body = wait_until(
+        _props, body = wait_for(
             lambda: get(topology.names.business_queue("push")), 5, "the stdin message"
         )
         assert json.loads(body) == [1, 2]
@@ -315,16 +316,7 @@ def test_publish_refuses_bad_input(
     assert result.exit_code == 1
     assert message in result.stderr
     for tier in ("1s", "3s"):
-        assert queue_info_count(broker_url, topology.names.tier_queue(tier)) == 0
-
-
-def queue_info_count(url: str, queue: str) -> int:
-    connection = pika.BlockingConnection(pika.URLParameters(url))
-    try:
-        count: int = connection.channel().queue_declare(queue, passive=True).method.message_count
-        return count
-    finally:
-        connection.close()
+        assert message_count(broker_url, topology.names.tier_queue(tier)) == 0
 
 
 # -- errors ---------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pika
 import pytest
-from conftest import wait_for
+from conftest import message_count, wait_for
 
 from rabbit_delay.sync import Publisher, connect, declare
 from rabbit_delay.topology import Topology
@@ -33,14 +33,6 @@ def crash_once(url: str, queue: str) -> bool:
         conn.close()  # unacked: the broker takes it back and counts a delivery
 
 
-def count(url: str, queue: str) -> int:
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    try:
-        return int(conn.channel().queue_declare(queue, passive=True).method.message_count)
-    finally:
-        conn.close()
-
-
 @pytest.mark.parametrize("target", ["queue", "binding key"])
 def test_a_message_crashing_every_worker_is_parked_with_reason_delivery_limit(
     broker_url: str, make_topology: Callable[..., Topology], target: str
@@ -58,16 +50,16 @@ def test_a_message_crashing_every_worker_is_parked_with_reason_delivery_limit(
         else:
             message_id = publisher.publish_delayed({"k": 1}, "1s", routing_key="push.any")
     business = n.business_queue("push")
-    wait_for(lambda: count(broker_url, business) == 1, timeout=5)
+    wait_for(lambda: message_count(broker_url, business) == 1, timeout=5)
 
     crashes = 0
     deadline = time.monotonic() + 20
-    while count(broker_url, n.parking_queue("push")) == 0 and time.monotonic() < deadline:
+    while message_count(broker_url, n.parking_queue("push")) == 0 and time.monotonic() < deadline:
         crashes += crash_once(broker_url, business)
-    assert count(broker_url, n.parking_queue("push")) == 1
+    assert message_count(broker_url, n.parking_queue("push")) == 1
     assert crashes == LIMIT + 1  # delivered LIMIT + 1 times, then dead-lettered
-    assert count(broker_url, business) == 0
-    assert count(broker_url, n.unroutable_queue()) == 0
+    assert message_count(broker_url, business) == 0
+    assert message_count(broker_url, n.unroutable_queue()) == 0
 
     conn = pika.BlockingConnection(pika.URLParameters(broker_url))
     try:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pika
 import pytest
+from conftest import message_count, wait_for
 from pydantic import BaseModel
 
 from rabbit_delay.errors import (
@@ -36,9 +37,7 @@ from ._publishers import (
     Collector,
     Transport,
     delete_queue,
-    message_count,
     open_transport,
-    wait_until,
 )
 
 pytestmark = pytest.mark.integration
@@ -345,7 +344,7 @@ def test_publish_many_2000_confirmed_and_all_arrive(
     assert publisher.sends == 2000
     # confirmed: every message is in the buffer or already past it
     queue = declared.names.business_queue("orders.cancel")
-    wait_until(
+    wait_for(
         lambda: message_count(broker_url, queue) == 2000,
         1 + elapsed + 10,
         "2000 messages in the queue",

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from conftest import message_count, wait_for
 from pydantic import BaseModel
 
 from rabbit_delay import names as h
@@ -30,8 +31,6 @@ from .workers.harness import (
     connections_named,
     get_all,
     handler,
-    message_count,
-    wait_until,
 )
 
 pytestmark = pytest.mark.integration
@@ -107,7 +106,7 @@ def test_acks_after_the_handler_returned(
     ids = publish(broker_url, topology, {"order_id": 1}, {"order_id": 2}, {"order_id": 3})
 
     finished = calls.wait_finished(3)
-    wait_until(lambda: worker.stats.acked == 3, 5, "3 acks")
+    wait_for(lambda: worker.stats.acked == 3, 5, "3 acks")
     worker.stop()
 
     assert message_count(broker_url, topology.names.business_queue(QUEUE)) == 0
@@ -192,7 +191,7 @@ def test_a_retry_that_succeeds_is_acked_and_never_parked(
     publish(broker_url, topology, {"order_id": 8})
 
     [done] = calls.wait_finished(1, timeout=15)
-    wait_until(lambda: worker.stats.acked == 1, 5, "the ack")
+    wait_for(lambda: worker.stats.acked == 1, 5, "the ack")
     worker.stop()
     assert done.ctx.attempt == 2
     assert done.ctx.headers[h.H_ERROR_TYPE] == "ConnectionError"  # the last failure travels along
@@ -223,7 +222,7 @@ def test_a_retry_goes_back_only_to_the_queue_that_failed(
         publisher.publish_delayed({"order_id": 9}, "1s", routing_key="order.paid")
 
     billing.wait_finished(1, timeout=15)
-    wait_until(lambda: worker.stats.acked == 2, 5, "both acks")
+    wait_for(lambda: worker.stats.acked == 2, 5, "both acks")
     worker.stop()
     assert [c.ctx.attempt for c in billing.started] == [1, 2]
     assert len(mailer.started) == 1  # the retry did not reach the other queue bound to the key
@@ -285,7 +284,7 @@ def test_retry_and_reject_steer_the_message(
     )
 
     [parked] = get_all(broker_url, topology.names.parking_queue(QUEUE), 1)
-    wait_until(lambda: len(calls.finished) == 1, 15, "the retried message to succeed")
+    wait_for(lambda: len(calls.finished) == 1, 15, "the retried message to succeed")
     worker.stop()
 
     assert parked.properties.message_id == refuse
@@ -314,7 +313,7 @@ def test_a_duplicate_of_a_handled_message_is_acked_and_skipped(
     publish(broker_url, topology, {"order_id": 12}, message_id="order-12-timeout")
     calls.wait_finished(1)
     publish(broker_url, topology, {"order_id": 12}, message_id="order-12-timeout")
-    wait_until(lambda: worker.stats.duplicates == 1, 10, "the duplicate to be skipped")
+    wait_for(lambda: worker.stats.duplicates == 1, 10, "the duplicate to be skipped")
     worker.stop()
 
     assert len(calls.started) == 1
@@ -335,7 +334,7 @@ def test_a_duplicate_arriving_while_the_first_runs_is_not_run_beside_it(
     publish(broker_url, topology, {"order_id": 13}, {"order_id": 13}, message_id="order-13")
     # The second copy is deferred through the 1 s tier, comes back after the first is
     # done, and is skipped then.
-    wait_until(lambda: worker.stats.duplicates == 1, 15, "the deferred copy to be skipped")
+    wait_for(lambda: worker.stats.duplicates == 1, 15, "the deferred copy to be skipped")
     worker.stop()
 
     assert len(calls.started) == 1
@@ -356,7 +355,7 @@ def test_cancel_drops_the_message_when_it_comes_due(
     app.cancel(cancelled)  # the order was paid: its timeout must not fire
 
     calls.wait_finished(1)
-    wait_until(lambda: worker.stats.cancelled == 1, 10, "the cancelled message to be dropped")
+    wait_for(lambda: worker.stats.cancelled == 1, 10, "the cancelled message to be dropped")
     worker.stop()
     assert [c.ctx.message_id for c in calls.started] == [kept]
     assert message_count(broker_url, topology.names.business_queue(QUEUE)) == 0
@@ -381,7 +380,7 @@ def test_graceful_stop_finishes_in_flight_handlers_and_hands_back_the_rest(
     assert len(calls.finished) == len(calls.started) == 2  # in flight: finished, acked
     assert worker.stats.acked == 2
     queue = topology.names.business_queue(QUEUE)
-    wait_until(lambda: message_count(broker_url, queue) == 2, 10, "the 2 not started, back")
+    wait_for(lambda: message_count(broker_url, queue) == 2, 10, "the 2 not started, back")
 
 
 def test_a_handler_past_the_shutdown_timeout_is_redelivered(
@@ -398,7 +397,7 @@ def test_a_handler_past_the_shutdown_timeout_is_redelivered(
     worker.stop()
     assert worker.stats.acked == 0
     queue = topology.names.business_queue(QUEUE)
-    wait_until(lambda: message_count(broker_url, queue) == 1, 10, "the unfinished one, back")
+    wait_for(lambda: message_count(broker_url, queue) == 1, 10, "the unfinished one, back")
 
 
 def test_reconnects_after_the_server_closes_the_connection(
@@ -424,15 +423,15 @@ def test_reconnects_after_the_server_closes_the_connection(
     # The server drops the worker's connection while the handler of 40 runs: its ack
     # can no longer be sent; the broker redelivers 40, and the guard sees it through.
     close_connections(management, [connection])
-    wait_until(
+    wait_for(
         lambda: worker.stats.reconnects == 1 and worker.worker.started.is_set(), 15, "a reconnect"
     )
     publish(broker_url, topology, {"order_id": 41})
 
-    wait_until(
+    wait_for(
         lambda: sorted(c.message.order_id for c in calls.finished) == [40, 41], 15, "both handled"
     )
-    wait_until(
+    wait_for(
         lambda: (
             message_count(broker_url, topology.names.business_queue(QUEUE)) == 0
             and worker.stats.duplicates == 1

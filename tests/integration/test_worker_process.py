@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import message_count, wait_for
 
 from rabbit_delay.sync import Publisher, connect, declare
 from rabbit_delay.topology import Topology
 
-from .workers.harness import KINDS, message_count, wait_until
+from .workers.harness import KINDS
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -165,15 +166,15 @@ def test_a_worker_killed_mid_handler_is_finished_by_another_with_one_effect(
     topology, topology_file = setup
     log = tmp_path / "effects.log"
     first = spawn(kind, topology_file, log, RD_TEST_SLOW_S="30")
-    wait_until(lambda: consuming(first), 20, "the first worker to consume")
+    wait_for(lambda: consuming(first), 20, "the first worker to consume")
     [message_id] = publish(broker_url, topology, {"order_id": 1})
 
-    wait_until(lambda: lines(log, "start"), 15, "the handler to start in the first worker")
+    wait_for(lambda: lines(log, "start"), 15, "the handler to start in the first worker")
     os.kill(first.pid, signal.SIGKILL)  # mid-handler: no ack, no done-record, a live lease
     first.wait()
 
     second = spawn(kind, topology_file, log, RD_TEST_SLOW_S="0")
-    wait_until(lambda: lines(log, "effect"), 30, "the second worker to finish the message")
+    wait_for(lambda: lines(log, "effect"), 30, "the second worker to finish the message")
     time.sleep(1.5)  # room for a wrong second effect to show up
     os.kill(second.pid, signal.SIGTERM)
     assert second.wait() == 0, second.text()
@@ -200,10 +201,10 @@ def test_sigterm_lets_the_running_handler_finish_and_hands_back_the_rest(
     worker = spawn(
         kind, topology_file, log, "--concurrency", "1", "--prefetch", "2", RD_TEST_SLOW_S="2"
     )
-    wait_until(lambda: consuming(worker), 20, "the worker to consume")
+    wait_for(lambda: consuming(worker), 20, "the worker to consume")
     first, second = publish(broker_url, topology, {"order_id": 1}, {"order_id": 2})
 
-    [started] = wait_until(lambda: lines(log, "start"), 15, "the first handler to start")
+    [started] = wait_for(lambda: lines(log, "start"), 15, "the first handler to start")
     os.kill(worker.pid, signal.SIGTERM)
     assert worker.wait() == 0, worker.text()
 
@@ -211,7 +212,7 @@ def test_sigterm_lets_the_running_handler_finish_and_hands_back_the_rest(
     assert len(lines(log, "start")) == 1
     assert {started[1]} < {first, second}
     queue = topology.names.business_queue(QUEUE)
-    wait_until(lambda: message_count(broker_url, queue) == 1, 10, "the second message, back")
+    wait_for(lambda: message_count(broker_url, queue) == 1, 10, "the second message, back")
     assert "stopping" in worker.text()
 
 

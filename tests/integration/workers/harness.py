@@ -24,6 +24,7 @@ from urllib.parse import quote
 
 import pika
 import pika.exceptions
+from conftest import wait_for
 
 from rabbit_delay.consumer import App, HandlerContext
 from rabbit_delay.urls import ManagementEndpoint
@@ -31,20 +32,6 @@ from rabbit_delay.urls import ManagementEndpoint
 KINDS = ("sync", "async")
 START_S = 15.0
 STOP_S = 20.0
-
-
-def wait_until(
-    predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05
-) -> Any:
-    """Poll until `predicate()` is truthy; AssertionError naming `what` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 @dataclass
@@ -71,11 +58,11 @@ class Calls:
             self.finished.append(Call(message, ctx))
 
     def wait_started(self, n: int, timeout: float = 15.0) -> list[Call]:
-        wait_until(lambda: len(self.started) >= n, timeout, f"{n} handler start(s)")
+        wait_for(lambda: len(self.started) >= n, timeout, f"{n} handler start(s)")
         return list(self.started)
 
     def wait_finished(self, n: int, timeout: float = 15.0) -> list[Call]:
-        wait_until(lambda: len(self.finished) >= n, timeout, f"{n} handler finish(es)")
+        wait_for(lambda: len(self.finished) >= n, timeout, f"{n} handler finish(es)")
         return list(self.finished)
 
 
@@ -159,7 +146,7 @@ class RunningWorker:
 
     def start(self) -> RunningWorker:
         self.thread.start()
-        wait_until(
+        wait_for(
             lambda: self.worker.started.is_set() or not self.thread.is_alive(),
             START_S,
             "the worker to start consuming",
@@ -177,15 +164,6 @@ class RunningWorker:
 
 
 # -- broker state -------------------------------------------------------------------------
-
-
-def message_count(url: str, queue: str) -> int:
-    """Ready messages (passive declare), on a connection of its own."""
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    try:
-        return int(conn.channel().queue_declare(queue, passive=True).method.message_count)
-    finally:
-        conn.close()
 
 
 @dataclass
@@ -242,7 +220,7 @@ def connections_named(endpoint: ManagementEndpoint, client_name: str) -> list[st
             if (row.get("client_properties") or {}).get("connection_name") == client_name
         ]
 
-    names: list[str] = wait_until(find, 20.0, f"connection {client_name!r} in the management API")
+    names: list[str] = wait_for(find, 20.0, f"connection {client_name!r} in the management API")
     return names
 
 
