@@ -6,6 +6,7 @@ import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractRobustConnection
 
+from rabbit_delay.broker import UNKNOWN, BrokerInfo
 from rabbit_delay.errors import BrokerUnavailable
 from rabbit_delay.urls import broker_url, redact
 
@@ -33,3 +34,14 @@ async def plain_channel(connection: AbstractConnection, *, confirms: bool) -> Ab
     channel = aio_pika.Channel(connection, publisher_confirms=confirms, on_return_raises=confirms)
     await channel.initialize()
     return channel
+
+
+def broker_info(connection: AbstractConnection) -> BrokerInfo:
+    """What the broker said about itself when the connection opened (version, cluster).
+
+    UNKNOWN while the connection is not open (a robust connection between reconnects).
+    """
+    transport = connection.transport
+    if transport is None:
+        return UNKNOWN
+    return BrokerInfo.from_server_properties(transport.connection.server_properties)

@@ -1,8 +1,8 @@
 """The synchronous (pika) transport."""
 
-from rabbit_delay.sync._connection import connect, connected
+from rabbit_delay.sync._connection import broker_info, connect, connected
 from rabbit_delay.sync.declarer import declare, delete_topology, plan
 from rabbit_delay.sync.publisher import Publisher
 from rabbit_delay.sync.worker import Worker
 
-__all__ = ["Publisher", "Worker", "connect", "connected", "declare", "delete_topology", "plan"]
+__all__ = ["Publisher", "Worker", "broker_info", "connect", "connected", "declare", "delete_topology", "plan"]

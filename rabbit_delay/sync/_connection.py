@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import pika
 import pika.exceptions
 
+from rabbit_delay.broker import BrokerInfo
 from rabbit_delay.errors import BrokerUnavailable
 from rabbit_delay.urls import broker_url, redact
 
@@ -34,3 +35,8 @@ def connected(
     finally:
         if connection.is_open:
             connection.close()
+
+
+def broker_info(connection: pika.BlockingConnection) -> BrokerInfo:
+    """What the broker said about itself when the connection opened (version, cluster)."""
+    return BrokerInfo.from_server_properties(connection._impl.server_properties)

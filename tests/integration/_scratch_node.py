@@ -1,29 +1,28 @@
-"""A throwaway RabbitMQ node on free ports, for tests that stop and start a broker, and
-a consumer thread that survives it.
+"""A throwaway RabbitMQ node on free ports, for tests that stop, kill or reconfigure a
+broker, and a consumer thread that survives it.
 
-Never the shared broker on 5672: other people's tests run there. The scratch node has
-its own node name, AMQP and distribution ports, data and log directories, config file,
-empty enabled-plugins file (so no management or Prometheus listener can clash with the
-main node's) and its own HOME with its own Erlang cookie: nothing it does can reach the
-main node. Every wait has a deadline. The node is stopped (SIGTERM, then SIGKILL of its
-own process group) and its directory removed on teardown.
+Never the broker under test, never the machine's broker on 5672: the scratch node is
+started by `.ci/brokers.sh` (the one place that knows how to run a node here) with its
+own node name, ports, data and log directories and Erlang cookie, and it is of the SAME
+RabbitMQ version as the broker the suite runs against (`RABBIT_DELAY_TEST_URL`): the
+machine's own rabbitmq-server for 3.10, a debootstrapped root for 4.0 and 4.3.
 
-Skips when `rabbitmq-server` is not installed, and FAILS instead when CI is set.
+Skips when no node of that version can be started here, and FAILS instead when CI is set.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import signal
+import random
 import socket
 import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -31,40 +30,75 @@ import pika
 import pika.exceptions
 import pytest
 
+from rabbit_delay.broker import BrokerInfo
 from rabbit_delay.message import now_ms
 
-SERVER_ENV = "RABBIT_DELAY_RABBITMQ_SERVER"  # path of the rabbitmq-server script to use
-START_TIMEOUT_S = 90.0
-STOP_TIMEOUT_S = 45.0
-# Ports the shared broker uses (AMQP, management, distribution, Prometheus): never ours.
-_RESERVED_PORTS = frozenset({4369, 5671, 5672, 15672, 15692, 25672})
+BROKERS_SH = Path(__file__).resolve().parents[2] / ".ci" / "brokers.sh"
+START_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 60.0
+# brokers.sh derives management (+10000), distribution (+20000) and CLI (+30000..+30009)
+# ports from the AMQP port: all must be free.
+_DERIVED = (0, 10000, 20000, *range(30000, 30010))
 
 
-def find_rabbitmq_server() -> Path | None:
-    """The rabbitmq-server script to run as the current user.
+def brokers_sh(*args: str, timeout: float = START_TIMEOUT_S) -> str:
+    """Run .ci/brokers.sh; its stdout. Raises RuntimeError with its output on failure."""
+    try:
+        done = subprocess.run(
+            ["bash", str(BROKERS_SH), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"brokers.sh {' '.join(args)}: no answer in {timeout}s") from exc
+    if done.returncode != 0:
+        raise RuntimeError(f"brokers.sh {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+    return done.stdout.strip()
 
-    Debian's /usr/sbin/rabbitmq-server is a wrapper that re-runs itself as the
-    `rabbitmq` user through `su`, which would lose our HOME (and cookie): prefer the
-    real script behind it.
-    """
-    explicit = os.environ.get(SERVER_ENV)
-    candidates = [Path(explicit)] if explicit else []
-    candidates.append(Path("/usr/lib/rabbitmq/bin/rabbitmq-server"))
-    found = shutil.which("rabbitmq-server")
-    if found:
-        candidates.append(Path(found))
-    for candidate in candidates:
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return candidate
+
+def server_info(url: str) -> BrokerInfo:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        return BrokerInfo.from_server_properties(conn._impl.server_properties)
+    finally:
+        conn.close()
+
+
+@cache
+def _installed(kind: str) -> str | None:
+    try:
+        return brokers_sh("version", kind, timeout=600)
+    except RuntimeError:
+        return None
+
+
+def node_kind_for(info: BrokerInfo) -> str | None:
+    """The brokers.sh VERSION that runs the same RabbitMQ major.minor as `info`."""
+    version = info.version
+    if version is None:
+        return None
+    for kind in ("host", "4.0", "4.3"):
+        installed = _installed(kind)
+        if installed is not None and tuple(int(p) for p in installed.split(".")[:2]) == version[:2]:
+            return kind
     return None
 
 
-def _free_port() -> int:
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_base_port() -> int:
     while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port: int = s.getsockname()[1]
-        if port not in _RESERVED_PORTS:
+        port = random.randint(6000, 9999)
+        if all(_port_free(port + d) for d in _DERIVED):
             return port
 
 
@@ -82,156 +116,106 @@ def _amqp_ready(url: str) -> bool:
 
 @dataclass
 class ScratchNode:
-    """One RabbitMQ node under `base`, started and stopped by the test that owns it."""
+    """One RabbitMQ node of `kind` (brokers.sh VERSION), started and stopped by its test."""
 
-    server: Path
-    base: Path
-    name: str = field(default_factory=lambda: f"rdscratch-{uuid.uuid4().hex[:8]}@localhost")
-    port: int = field(default_factory=_free_port)
-    dist_port: int = field(default_factory=_free_port)
-    _proc: subprocess.Popen[bytes] | None = None
+    kind: str
+    name: str = field(default_factory=lambda: f"s{uuid.uuid4().hex[:8]}")
+    port: int = field(default_factory=_free_base_port)
+    management: bool = False
+    conf: Sequence[str] = ()
     starts: int = 0
+    _started: bool = False
 
     @property
     def url(self) -> str:
         return f"amqp://guest:guest@127.0.0.1:{self.port}/%2F"
 
     @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+    def management_url(self) -> str:
+        return f"http://127.0.0.1:{self.port + 10000}"
 
-    def _prepare(self) -> dict[str, str]:
-        home = self.base / "home"
-        for sub in ("home", "mnesia", "log"):
-            (self.base / sub).mkdir(parents=True, exist_ok=True)
-        cookie = home / ".erlang.cookie"
-        if not cookie.exists():
-            cookie.write_text(uuid.uuid4().hex.upper())
-            cookie.chmod(0o400)
-        (self.base / "enabled_plugins").write_text("[].\n")
-        (self.base / "rabbitmq-env.conf").write_text("")
-        (self.base / "rabbitmq.conf").write_text(
-            f"listeners.tcp.1 = 127.0.0.1:{self.port}\ndisk_free_limit.absolute = 50MB\n"
-        )
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("RABBITMQ_", "ERL_"))}
-        env |= {
-            "HOME": str(home),
-            "RABBITMQ_NODENAME": self.name,
-            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
-            "RABBITMQ_NODE_PORT": str(self.port),
-            "RABBITMQ_DIST_PORT": str(self.dist_port),
-            "RABBITMQ_MNESIA_BASE": str(self.base / "mnesia"),
-            "RABBITMQ_LOG_BASE": str(self.base / "log"),
-            "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.base / "enabled_plugins"),
-            "RABBITMQ_CONFIG_FILE": str(self.base / "rabbitmq.conf"),
-            "RABBITMQ_ADVANCED_CONFIG_FILE": str(self.base / "advanced.config"),
-            "RABBITMQ_CONF_ENV_FILE": str(self.base / "rabbitmq-env.conf"),
-            "RABBITMQ_PID_FILE": str(self.base / "node.pid"),
-            "ERL_EPMD_ADDRESS": "127.0.0.1",
-            # Keep the distribution listener on loopback, like the main node's.
-            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
-        }
-        return env
+    @property
+    def running(self) -> bool:
+        return self._started and _amqp_ready(self.url)
 
     def start(self, timeout: float = START_TIMEOUT_S) -> None:
-        """Start the node and wait until it accepts AMQP connections (boot is then complete)."""
-        if self.running:
-            return
-        env = self._prepare()
+        """Start the node and wait until it accepts AMQP connections (boot is complete)."""
+        args = ["start", self.kind, self.name, "--port", str(self.port)]
+        if not self.management:
+            args.append("--no-management")
+        for line in self.conf:
+            args += ["--conf", line]
         self.starts += 1
-        log = (self.base / f"stdout.{self.starts}.log").open("wb")
-        try:
-            self._proc = subprocess.Popen(
-                [str(self.server)],
-                env=env,
-                cwd=self.base,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: teardown kills exactly it
-            )
-        finally:
-            log.close()
-        deadline = time.monotonic() + timeout
+        self._started = True
+        brokers_sh(*args, timeout=timeout)
+        deadline = time.monotonic() + 30
         while not _amqp_ready(self.url):
-            if not self.running:
-                raise RuntimeError(
-                    f"scratch node {self.name} exited while booting:\n{self.log_tail()}"
-                )
             if time.monotonic() > deadline:
-                self.kill()
-                raise TimeoutError(
-                    f"scratch node {self.name} not up within {timeout}s:\n{self.log_tail()}"
-                )
+                raise TimeoutError(f"scratch node {self.name} does not answer:\n{self.log_tail()}")
             time.sleep(0.2)
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
-        """Graceful stop (the script passes SIGTERM on to the VM); SIGKILL at the deadline."""
-        proc = self._proc
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        """Graceful stop (rabbitmqctl stop); SIGKILL at brokers.sh's deadline."""
+        brokers_sh("stop", self.kind, self.name, timeout=timeout + 30)
 
     def kill(self) -> None:
-        """Hard stop: SIGKILL to the node's own process group (the script and the VM)."""
-        proc = self._proc
-        if proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(10)
+        """Hard stop: SIGKILL of the node's VM and its process group (a crash)."""
+        brokers_sh("kill", self.kind, self.name, timeout=60)
+
+    def ctl(self, *args: str) -> str:
+        """rabbitmqctl against this node."""
+        return brokers_sh("ctl", self.kind, self.name, *args, timeout=120)
 
     def cleanup(self) -> None:
-        try:
-            self.stop()
-            # The VM may outlive the script on an unclean exit: same process group.
-            if self._proc is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self._proc.pid, signal.SIGKILL)
-        finally:
-            shutil.rmtree(self.base, ignore_errors=True)
+        with contextlib.suppress(RuntimeError):
+            brokers_sh("rm", self.kind, self.name, timeout=STOP_TIMEOUT_S + 60)
 
     def log_tail(self, lines: int = 30) -> str:
-        out = []
-        for path in sorted(self.base.glob("stdout.*.log")) + sorted(
-            (self.base / "log").glob("*.log")
-        ):
-            with contextlib.suppress(OSError):
-                out.append(
-                    f"--- {path.name}\n"
-                    + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-                )
-        return "\n".join(out)
+        with contextlib.suppress(RuntimeError):
+            return brokers_sh("logs", self.kind, self.name, str(lines), timeout=30)
+        return "(no logs)"
 
 
-@pytest.fixture
-def scratch_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScratchNode]:
-    """A started scratch node; stopped and deleted afterwards."""
-    server = find_rabbitmq_server()
-    if server is None:
-        reason = (
-            f"rabbitmq-server is not installed (or set {SERVER_ENV}): cannot start a scratch node"
+def _skip_or_fail(reason: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+def scratch_kind(broker_url: str) -> str:
+    """The brokers.sh VERSION matching the broker under test; skips (fails in CI) if none."""
+    info = server_info(broker_url)
+    kind = node_kind_for(info)
+    if kind is None:
+        _skip_or_fail(
+            f"cannot start a scratch node of {info.describe()} here (the broker under test): "
+            "bash .ci/brokers.sh runs the machine's rabbitmq-server, 4.0 and 4.3"
         )
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-    base = tmp_path_factory.mktemp("rabbit-node")
-    node = ScratchNode(server, base)
+    assert kind is not None
+    return kind
+
+
+@contextlib.contextmanager
+def started_node(kind: str, **options: Any) -> Iterator[ScratchNode]:
+    """A started scratch node of `kind`; stopped and deleted afterwards."""
+    node = ScratchNode(kind, **options)
     try:
         try:
             node.start()
         except RuntimeError:  # a free port taken in the meantime: once more on new ports
             node.cleanup()
-            node = ScratchNode(server, tmp_path_factory.mktemp("rabbit-node"))
+            node = ScratchNode(kind, **options)
             node.start()
         yield node
     finally:
         node.cleanup()
+
+
+@pytest.fixture
+def scratch_node(broker_url: str) -> Iterator[ScratchNode]:
+    """A started scratch node of the broker-under-test's version; deleted afterwards."""
+    with started_node(scratch_kind(broker_url)) as node:
+        yield node
 
 
 # -- consuming --------------------------------------------------------------------------

@@ -72,6 +72,7 @@ def test_transports_all() -> None:
     assert sorted(rabbit_delay.sync.__all__) == [
         "Publisher",
         "Worker",
+        "broker_info",
         "connect",
         "connected",
         "declare",
@@ -81,6 +82,7 @@ def test_transports_all() -> None:
     assert sorted(rabbit_delay.aio.__all__) == [
         "AsyncPublisher",
         "AsyncWorker",
+        "broker_info",
         "connect",
         "declare",
         "plan",

@@ -1,0 +1,138 @@
+"""What the broker at the other end is, and what its version really does. Pure.
+
+Both transports read the AMQP `connection.start` server properties once per connection
+and build a `BrokerInfo`; every rule that differs between RabbitMQ versions is a property
+here, so no driver compares version numbers itself.
+
+Facts (checked on 3.10.8, 4.0.5 and 4.3.6; see shared/RABBITMQ_NOTES.md):
+
+    rule                                        3.10   4.0-4.2   4.3+
+    basic.nack(requeue) counts towards the      yes    yes       no
+      quorum delivery limit
+    4.x adds x-queue-type=classic to a          no     yes       yes
+      classic queue declared without it
+    delayed-message plugin can run              yes    yes       no (Mnesia removed)
+    quorum delayed retry (x-delayed-retry-*)    no     no        yes
+    unknown exchange type closes the            conn.  channel   channel
+    quorum consumer over consumer_timeout       channel closed   basic.cancel (4.3)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+_VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?")
+
+Version = tuple[int, int, int]
+
+
+def parse_version(text: str) -> Version | None:
+    """'4.3.6' -> (4, 3, 6); '3.13.0-rc.1' -> (3, 13, 0); None when unreadable."""
+    m = _VERSION.match(text.strip())
+    if m is None:
+        return None
+    return int(m[1]), int(m[2]), int(m[3] or 0)
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", "replace")
+    return "" if value is None else str(value)
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerInfo:
+    """The broker of one connection. `version` is None when it did not say (another
+    AMQP 0-9-1 server): then every rule takes the conservative side."""
+
+    product: str = "RabbitMQ"
+    version_text: str = ""
+    cluster_name: str = ""
+    platform: str = ""
+
+    @classmethod
+    def from_server_properties(cls, props: Mapping[str, object] | None) -> BrokerInfo:
+        props = props or {}
+        return cls(
+            product=_text(props.get("product")) or "unknown",
+            version_text=_text(props.get("version")),
+            cluster_name=_text(props.get("cluster_name")),
+            platform=_text(props.get("platform")),
+        )
+
+    @property
+    def version(self) -> Version | None:
+        return parse_version(self.version_text)
+
+    def at_least(self, major: int, minor: int = 0) -> bool:
+        v = self.version
+        return v is not None and v[:2] >= (major, minor)
+
+    def describe(self) -> str:
+        """'RabbitMQ 4.3.6 (cluster rd-43-main@vm, Erlang/OTP 29.1.2)'."""
+        extra = ", ".join(
+            p
+            for p in (
+                f"cluster {self.cluster_name}" if self.cluster_name else "",
+                self.platform,
+            )
+            if p
+        )
+        text = f"{self.product} {self.version_text or '(version unknown)'}"
+        return f"{text} ({extra})" if extra else text
+
+    # -- the rules -------------------------------------------------------------------
+
+    @property
+    def nack_requeue_counts(self) -> bool:
+        """Does `basic.nack(requeue=True)` count towards a quorum queue's delivery limit?
+
+        Only 4.3 stopped counting it (reject and a lost connection still count). When
+        unknown, assume it counts: the safe side is never to rely on a free requeue.
+        """
+        return not self.at_least(4, 3)
+
+    @property
+    def supports_plugin(self) -> bool:
+        """Can rabbitmq_delayed_message_exchange run at all? It needs Mnesia, which 4.3
+        removed; the plugin was archived in January 2026 and works up to 4.2."""
+        return not self.at_least(4, 3)
+
+    @property
+    def supports_delayed_retry(self) -> bool:
+        """Quorum queue delayed retry (`x-delayed-retry-*` queue arguments), 4.3+."""
+        return self.at_least(4, 3)
+
+    @property
+    def cancels_timed_out_quorum_consumers(self) -> bool:
+        """4.3 cancels (basic.cancel) a quorum consumer over consumer_timeout instead of
+        closing its channel; both must be handled, this says which to expect."""
+        return self.at_least(4, 3)
+
+
+UNKNOWN = BrokerInfo(product="unknown")
+
+
+# -- arguments the broker adds by itself ----------------------------------------------
+
+# RabbitMQ 4.x records `x-queue-type: classic` on a classic queue declared without any
+# x-queue-type (and reports it through the management API); 3.x records nothing. Both
+# mean the same queue: compare with these defaults filled in on both sides.
+QUEUE_ARGUMENT_DEFAULTS: Mapping[str, object] = {"x-queue-type": "classic"}
+
+
+def normalise_queue_arguments(arguments: Mapping[str, object]) -> dict[str, object]:
+    """Queue arguments with the broker's implicit defaults made explicit."""
+    return {**QUEUE_ARGUMENT_DEFAULTS, **arguments}
+
+
+__all__ = [
+    "QUEUE_ARGUMENT_DEFAULTS",
+    "UNKNOWN",
+    "BrokerInfo",
+    "Version",
+    "normalise_queue_arguments",
+    "parse_version",
+]
