@@ -5,4 +5,13 @@ from rabbit_delay.sync.declarer import declare, delete_topology, plan
 from rabbit_delay.sync.publisher import Publisher
 from rabbit_delay.sync.worker import Worker
 
-__all__ = ["Publisher", "Worker", "broker_info", "connect", "connected", "declare", "delete_topology", "plan"]
+__all__ = [
+    "Publisher",
+    "Worker",
+    "broker_info",
+    "connect",
+    "connected",
+    "declare",
+    "delete_topology",
+    "plan",
+]
