@@ -10,6 +10,7 @@
 #   bash .ci/brokers.sh management-url VERSION [NAME]   its management API base URL
 #   bash .ci/brokers.sh ctl   VERSION NAME ARGS...      rabbitmqctl against that node
 #   bash .ci/brokers.sh logs  VERSION NAME [LINES]      the end of its logs
+#   bash .ci/brokers.sh log-file VERSION [NAME]         the path of its main log
 #   bash .ci/brokers.sh rm    VERSION NAME              stop it and delete its data
 #   bash .ci/brokers.sh version VERSION                 the RabbitMQ version it runs (e.g. 4.3.6)
 #   bash .ci/brokers.sh list                            nodes and whether they answer
@@ -342,6 +343,10 @@ maybe_umount() {  # unmount /proc and /dev of a root when none of its nodes runs
     umount_root "$root"
 }
 
+log_file() {  # log_file VERSION [NAME]: the node's main log file (as the host sees it)
+    echo "$(node_dir "$1" "${2:-main}")/log/$(node_name "$1" "${2:-main}").log"
+}
+
 logs() {  # logs VERSION NAME [LINES]: the end of the node's logs
     local dir f
     dir=$(node_dir "$1" "$2")
@@ -406,6 +411,7 @@ case "$verb" in
     url) url "$@" ;;
     version) version "$@" ;;
     logs) logs "$@" ;;
+    log-file) log_file "$@" ;;
     management-url) management_url "$@" ;;
     ctl) v=$1 n=$2; shift 2; run_in "$v" "$n" rabbitmqctl "$@" ;;
     list) list ;;

@@ -1,16 +1,26 @@
 # shellcheck shell=bash
-# Make sure the local services the tests and the demo need are up. Sourced by .ci/run
-# and .ci/demo; every wait has a deadline. Starts only what is down: never restarts or
-# stops a running broker (other processes may be using it).
+# Make sure the local services the tests and the demo need are up. Sourced by .ci/run,
+# .ci/test and .ci/demo; every wait has a deadline. Starts only what is down: never
+# restarts or stops a running broker (other processes may be using it).
 #
-#   ensure_rabbitmq     RabbitMQ answering on 127.0.0.1:5672 (starts rabbitmq-server -detached)
-#   ensure_management   the management HTTP API answering on 127.0.0.1:15672
+#   ensure_rabbitmq     RabbitMQ answering on $RD_AMQP_HOST:$RD_AMQP_PORT (127.0.0.1:5672). When
+#                       nothing answers, the first of these that applies:
+#                         1. Docker answers (docker info, docker compose): docker compose up -d --wait rabbitmq
+#                         2. rabbitmq-server is installed: start it (rabbitmq-server -detached)
+#                         3. root and apt-get: apt-get install -y rabbitmq-server, then start it
+#                         4. otherwise one error saying what to install
+#   ensure_management   the management HTTP API answering on 127.0.0.1:15672 (the Docker
+#                       image has it; a local broker gets rabbitmq_management enabled)
 #   ensure_redis        Redis answering PING on 127.0.0.1:6379
 
+RD_AMQP_HOST=${RD_AMQP_HOST:-127.0.0.1}
 RD_AMQP_PORT=${RD_AMQP_PORT:-5672}
 RD_MANAGEMENT_URL=${RD_MANAGEMENT_URL:-http://127.0.0.1:15672}
 RD_REDIS_PORT=${RD_REDIS_PORT:-6379}
 RD_START_TIMEOUT=${RD_START_TIMEOUT:-120}
+RD_INSTALL_TIMEOUT=${RD_INSTALL_TIMEOUT:-600}  # docker image pull + start, or apt-get install
+RD_COMPOSE_FILE=${RD_COMPOSE_FILE:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/docker-compose.yml}
+RD_RABBITMQ_FROM=""  # set by ensure_rabbitmq when it started a broker: docker or local
 
 _say() { printf '[services] %s\n' "$*"; }
 _die() { printf '[services] ERROR: %s\n' "$*" >&2; return 1; }
@@ -32,25 +42,58 @@ wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
     done
 }
 
+docker_answers() {  # a Docker engine that answers, and the compose plugin to use it
+    command -v docker >/dev/null 2>&1 && timeout 20 docker info >/dev/null 2>&1 \
+        && timeout 20 docker compose version >/dev/null 2>&1
+}
+
 ensure_rabbitmq() {
-    if port_open 127.0.0.1 "$RD_AMQP_PORT"; then
-        _say "RabbitMQ answers on 127.0.0.1:$RD_AMQP_PORT"
+    if port_open "$RD_AMQP_HOST" "$RD_AMQP_PORT"; then
+        _say "RabbitMQ answers on $RD_AMQP_HOST:$RD_AMQP_PORT"
         return 0
     fi
+    if docker_answers; then
+        _rabbitmq_docker
+    else
+        _rabbitmq_local
+    fi
+}
+
+_rabbitmq_docker() {
+    _say "no RabbitMQ on $RD_AMQP_HOST:$RD_AMQP_PORT; Docker answers: docker compose up -d --wait rabbitmq (up to ${RD_INSTALL_TIMEOUT}s)"
+    timeout "$RD_INSTALL_TIMEOUT" docker compose -f "$RD_COMPOSE_FILE" up -d --wait rabbitmq \
+        || _die "docker compose up -d --wait rabbitmq failed; see: docker compose -f $RD_COMPOSE_FILE logs rabbitmq" \
+        || return 1
+    RD_RABBITMQ_FROM=docker
+    wait_for 30 "RabbitMQ port $RD_AMQP_PORT" port_open "$RD_AMQP_HOST" "$RD_AMQP_PORT" || return 1
+    _say "RabbitMQ is up (Docker service rabbitmq)"
+}
+
+_rabbitmq_local() {
     if ! command -v rabbitmq-server >/dev/null 2>&1; then
-        _die "no RabbitMQ on 127.0.0.1:$RD_AMQP_PORT and rabbitmq-server is not installed.
-    Install it (apt-get install rabbitmq-server), or with Docker: docker compose up -d rabbitmq"
-        return 1
+        if [ "$(id -u 2>/dev/null)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+            _say "no RabbitMQ on $RD_AMQP_HOST:$RD_AMQP_PORT, no Docker: apt-get install -y rabbitmq-server"
+            { timeout "$RD_INSTALL_TIMEOUT" apt-get update -qq \
+                && DEBIAN_FRONTEND=noninteractive timeout "$RD_INSTALL_TIMEOUT" apt-get install -y -qq rabbitmq-server; } \
+                || _die "apt-get install rabbitmq-server failed" || return 1
+            command -v rabbitmq-server >/dev/null 2>&1 \
+                || _die "rabbitmq-server is still not on PATH after apt-get install" || return 1
+        else
+            _die "no RabbitMQ on $RD_AMQP_HOST:$RD_AMQP_PORT, no Docker engine answers (docker info) and rabbitmq-server is not installed (installing it here needs root and apt-get).
+    Install Docker with Compose (then: docker compose up -d rabbitmq) or rabbitmq-server (e.g. sudo apt-get install rabbitmq-server), and run this again."
+            return 1
+        fi
     fi
     # The node may be up but still booting; only start it when rabbitmqctl cannot reach it.
     if ! timeout 30 rabbitmqctl -q status >/dev/null 2>&1; then
         _say "starting RabbitMQ (rabbitmq-server -detached)"
         rabbitmq-server -detached
     fi
+    RD_RABBITMQ_FROM=local
     _say "waiting for RabbitMQ to finish booting (up to ${RD_START_TIMEOUT}s)"
     timeout $((RD_START_TIMEOUT + 10)) rabbitmqctl -q await_startup --timeout "$RD_START_TIMEOUT" \
         || _die "RabbitMQ did not start; see its logs under /var/log/rabbitmq" || return 1
-    wait_for 30 "RabbitMQ port $RD_AMQP_PORT" port_open 127.0.0.1 "$RD_AMQP_PORT" || return 1
+    wait_for 30 "RabbitMQ port $RD_AMQP_PORT" port_open "$RD_AMQP_HOST" "$RD_AMQP_PORT" || return 1
     _say "RabbitMQ is up"
 }
 
@@ -69,6 +112,11 @@ PY
 ensure_management() {
     if management_answers; then
         _say "management API answers on $RD_MANAGEMENT_URL"
+        return 0
+    fi
+    if [ "$RD_RABBITMQ_FROM" = docker ]; then  # the image has it: it is only still starting
+        wait_for 90 "management API at $RD_MANAGEMENT_URL" management_answers || return 1
+        _say "management API is up"
         return 0
     fi
     _say "enabling rabbitmq_management"

@@ -14,7 +14,9 @@
     │   ├── BrokerUnavailable (ConnectionError)
     │   ├── DeclarationConflict             406: an object exists with other arguments
     │   ├── MissingObjectError              404: a queue or exchange the code relies on is absent
-    │   └── MissingPluginError              503: unknown exchange type 'x-delayed-message'
+    │   ├── MissingPluginError              unknown exchange type 'x-delayed-message'
+    │   ├── ManagementUnavailable           the management API cannot be used (callers fall back)
+    │   └── IncompatibleBroker              the broker's version cannot do what is asked
     └── DecodeError (ValueError)            a delivered message that cannot be decoded
 
 Handler control flow (`Retry`, `Reject`) lives in `rabbit_delay.consumer`: those are
@@ -134,6 +136,16 @@ class MissingObjectError(BrokerError):
 
 class MissingPluginError(BrokerError):
     """The broker lacks the rabbitmq_delayed_message_exchange plugin."""
+
+
+class ManagementUnavailable(BrokerError):
+    """The management HTTP API did not answer usefully, refused the user, or serves
+    another broker than the AMQP connection; callers fall back to AMQP and say why."""
+
+
+class IncompatibleBroker(BrokerError):
+    """The broker's version cannot do what the topology or the call asks (e.g. the
+    delayed-message plugin on RabbitMQ 4.3+); checked before anything is changed."""
 
 
 class DecodeError(RabbitDelayError, ValueError):

@@ -16,12 +16,16 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TypedDict
 
-from rabbit_delay.errors import ArgumentConflict, DeclarationConflict
+from rabbit_delay.broker import UNKNOWN, BrokerInfo, normalise_queue_arguments
+from rabbit_delay.errors import ArgumentConflict, DeclarationConflict, IncompatibleBroker
 from rabbit_delay.topology import QueueType, Topology
 
-# A broker without the delayed-message plugin closes the whole connection with
-# "503 COMMAND_INVALID - unknown exchange type 'x-delayed-message'".
-UNKNOWN_EXCHANGE_TYPE = "unknown exchange type"
+# A broker without the delayed-message plugin refuses the exchange type: 3.x closes the
+# whole connection (503 COMMAND_INVALID), 4.x only the channel (406 PRECONDITION_FAILED);
+# the text says "unknown exchange type" on a clean node and "invalid exchange type" after
+# the plugin was disabled.
+PLUGIN_EXCHANGE_TYPE = "x-delayed-message"
+UNKNOWN_EXCHANGE_TYPE = re.compile(r"(unknown|invalid) exchange type", re.I)
 PLUGIN_HINT = (
     "the broker has no 'x-delayed-message' exchange type: enable the plugin with "
     "`rabbitmq-plugins enable rabbitmq_delayed_message_exchange` (docker-compose.yml "
@@ -228,7 +232,7 @@ def _add_plugin(
     name = n.plugin_exchange()
     # First of all objects, so that even without the type probe a missing plugin (503,
     # connection closed) stops `declare` before anything was created.
-    exchanges.insert(0, ExchangeSpec(name, "x-delayed-message", {"x-delayed-type": "fanout"}))
+    exchanges.insert(0, ExchangeSpec(name, PLUGIN_EXCHANGE_TYPE, {"x-delayed-type": "fanout"}))
     bindings.append(BindingSpec(name, n.due_exchange(), "", Kind.EXCHANGE))
 
 
@@ -287,7 +291,9 @@ class Plan:
 
 
 def compare(spec: ObjectSpec, existing: ExistingObject) -> tuple[ArgumentConflict, ...]:
-    """Arguments whose value on the broker differs from the one wanted."""
+    """Arguments whose value on the broker differs from the one wanted, with the
+    arguments the broker adds by itself (4.x: x-queue-type=classic) filled in on both
+    sides, so a re-declare is a no-op on every version."""
     kind = spec.kind.value
     found: list[ArgumentConflict] = []
     if isinstance(spec, ExchangeSpec) and existing.type is not None and existing.type != spec.type:
@@ -296,6 +302,8 @@ def compare(spec: ObjectSpec, existing: ExistingObject) -> tuple[ArgumentConflic
         found.append(ArgumentConflict(kind, spec.name, "durable", existing.durable, spec.durable))
     wanted = dict(spec.arguments)
     have = dict(existing.arguments)
+    if isinstance(spec, QueueSpec):
+        wanted, have = normalise_queue_arguments(wanted), normalise_queue_arguments(have)
     for arg in sorted(set(wanted) | set(have)):
         if wanted.get(arg) != have.get(arg):
             found.append(ArgumentConflict(kind, spec.name, arg, have.get(arg), wanted.get(arg)))
@@ -364,6 +372,8 @@ class Bind:
 # exchange type, which it refuses with 503 when unknown: so this declare tells whether a
 # type is supported, and can never create anything.
 TYPE_PROBE_EXCHANGE = "amq.rabbit-delay.type-probe"
+# A message routed by an exchange reaches a queue bound to it within milliseconds.
+ROUTING_PROBE_TIMEOUT_S = 3.0
 BUILTIN_EXCHANGE_TYPES = frozenset({"direct", "fanout", "topic", "headers"})
 
 
@@ -375,19 +385,104 @@ class SupportsType:
     exchange_type: str
 
 
-Operation = Exists | Declare | Bind | SupportsType
+@dataclass(frozen=True, slots=True)
+class RoutesEveryKey:
+    """Does `exchange` pass a message with ANY routing key on, right away? The driver
+    answers a bool, changing nothing that outlives the probe.
+
+    For the plugin exchange when its `x-delayed-type` cannot be read (no management API):
+    the plugin's equivalence check ignores that argument, so a re-declare accepts an
+    exchange of another inner type, which then drops every due message. The driver binds
+    a temporary exclusive queue to `exchange` with one key (and, when `due` is given, to
+    `due` with a second key), publishes with the second key and no `x-delay` (routed at
+    once), and answers whether the queue got it: a fanout (or key-blind) exchange passes
+    it on, a direct or topic one does not. Routed to our own queue either way, the probe
+    never reaches the catch-all or a business queue.
+    """
+
+    exchange: str
+    due: str | None
+
+    kind = Kind.EXCHANGE
+
+    @property
+    def name(self) -> str:
+        return self.exchange
+
+
+Operation = Exists | Declare | Bind | SupportsType | RoutesEveryKey
 
 
 def describe(op: Operation) -> str:
     """What an operation was doing, for error messages."""
     if isinstance(op, SupportsType):
         return f"probing exchange type {op.exchange_type!r}"
+    if isinstance(op, RoutesEveryKey):
+        return f"probing how exchange {op.exchange!r} routes"
     return f"{type(op).__name__.lower()} {op.spec.kind.value} {op.spec.name!r}"
+
+
+# -- what the broker's version can do ---------------------------------------------------
+
+
+def broker_requirements(want: Desired, broker: BrokerInfo) -> list[str]:
+    """Why this broker cannot hold `want`, one reason per line; empty when it can.
+
+    Checked before anything is declared (and by workers at start), so a topology the
+    broker cannot serve never half-exists on it.
+    """
+    reasons: list[str] = []
+    if not broker.supports_plugin and any(e.type == PLUGIN_EXCHANGE_TYPE for e in want.exchanges):
+        reasons.append(
+            f"the [plugin] backend needs rabbitmq_delayed_message_exchange, which cannot run on "
+            f"{broker.describe()}: RabbitMQ 4.3 removed Mnesia, which the plugin stores its "
+            "messages in (the plugin was archived in January 2026). Replace the [plugin] table "
+            "with [cascade] (plugin-free, replicated) and declare it as a new topology `version`"
+        )
+    return reasons
+
+
+def check_broker(want: Desired, broker: BrokerInfo) -> None:
+    """Raise IncompatibleBroker when `broker_requirements` finds a reason."""
+    reasons = broker_requirements(want, broker)
+    if reasons:
+        raise IncompatibleBroker("; ".join(reasons))
 
 
 def _probe_types(want: Desired) -> Generator[Operation, object, None]:
     for exchange_type in sorted({e.type for e in want.exchanges} - BUILTIN_EXCHANGE_TYPES):
         yield SupportsType(exchange_type)
+
+
+def _verify_all_routing(
+    want: Desired, present: Mapping[tuple[Kind, str], bool]
+) -> Generator[Operation, object, dict[tuple[Kind, str], ArgumentConflict]]:
+    """Existing plugin exchanges whose arguments could not be read: probe that each
+    routes every key (x-delayed-type fanout). A conflict for each that does not."""
+    found: dict[tuple[Kind, str], ArgumentConflict] = {}
+    for spec in want.exchanges:
+        if spec.type != PLUGIN_EXCHANGE_TYPE or not present.get((spec.kind, spec.name)):
+            continue
+        due = next(
+            (
+                b.destination
+                for b in want.bindings
+                if b.source == spec.name and b.destination_type is Kind.EXCHANGE
+            ),
+            None,
+        )
+        if due is not None and not present.get((Kind.EXCHANGE, due), False):
+            due = None  # then no binding into it can exist either
+        if (yield RoutesEveryKey(spec.name, due)):
+            continue
+        found[(spec.kind, spec.name)] = ArgumentConflict(
+            spec.kind.value,
+            spec.name,
+            "x-delayed-type",
+            "not fanout (a probe published through it with a key it is not bound with was dropped)",
+            spec.arguments.get("x-delayed-type"),
+        )
+    return found
 
 
 _INEQUIVALENT = re.compile(
@@ -448,28 +543,49 @@ DeclareProgram = Generator[Operation, object, DeclareReport]
 PlanProgram = Generator[Operation, object, Plan]
 
 
-def plan_program(want: Desired, observed: Observed | None = None) -> PlanProgram:
+def plan_program(
+    want: Desired, observed: Observed | None = None, broker: BrokerInfo = UNKNOWN
+) -> PlanProgram:
     """What `declare` would do, changing nothing: compared with `observed` (management
-    API) when given, else probed with passive declares (present or missing)."""
+    API) when given, else probed with passive declares (present or missing; a plugin
+    exchange is also probed for how it routes, see RoutesEveryKey).
+
+    Raises IncompatibleBroker when the broker's version cannot hold the topology.
+    """
+    check_broker(want, broker)
     yield from _probe_types(want)
     if observed is not None:
         return make_plan(want, observed)
     present: dict[tuple[Kind, str], bool] = {}
     for spec in want.objects:
         present[(spec.kind, spec.name)] = bool((yield Exists(spec)))
-    return plan_from_presence(want, present)
+    routing = yield from _verify_all_routing(want, present)
+    plan = plan_from_presence(want, present)
+    return Plan(
+        tuple(
+            PlanItem(i.kind, i.name, Action.CONFLICT, (routing[(i.kind, i.name)],))
+            if (i.kind, i.name) in routing
+            else i
+            for i in plan.items
+        )
+    )
 
 
-def declare_program(want: Desired, observed: Observed | None = None) -> DeclareProgram:
+def declare_program(
+    want: Desired, observed: Observed | None = None, broker: BrokerInfo = UNKNOWN
+) -> DeclareProgram:
     """Yield the operations that bring the broker to `want`; return what was done.
 
     With `observed` (management API) the check phase needs no round trips; without it,
     each object is probed with a passive declare and, if present, re-declared on a
-    throwaway channel, which the broker accepts unchanged or refuses with 406.
+    throwaway channel, which the broker accepts unchanged or refuses with 406 (and an
+    existing plugin exchange is probed for how it routes, see RoutesEveryKey).
 
-    Raises DeclarationConflict before creating anything if any object conflicts.
+    Raises IncompatibleBroker (the broker's version cannot hold the topology) or
+    DeclarationConflict, before creating anything.
     """
-    # A missing plugin closes the connection: find out before anything is created.
+    check_broker(want, broker)
+    # A missing plugin may close the connection: find out before anything is created.
     yield from _probe_types(want)
     # Keyed by (kind, name): a tier's exchange and its buffer queue share one name.
     present: dict[tuple[Kind, str], bool] = {}
@@ -491,10 +607,15 @@ def declare_program(want: Desired, observed: Observed | None = None) -> DeclareP
                 if reply is None:
                     action = Action.IN_PLACE
                 else:
-                    conflict = conflict_from_reply(spec, str(reply))
-                    conflicts.append(conflict)
+                    conflicts.append(conflict_from_reply(spec, str(reply)))
                     action = Action.CONFLICT
             items[(spec.kind, spec.name)] = PlanItem(spec.kind, spec.name, action)
+        # After every object's presence is known (the probe needs to know the due exchange's).
+        routing = yield from _verify_all_routing(want, present)
+        for key, conflict in routing.items():
+            if items[key].action is Action.IN_PLACE:
+                items[key] = PlanItem(key[0], key[1], Action.CONFLICT, (conflict,))
+                conflicts.append(conflict)
     if conflicts:
         raise DeclarationConflict(conflicts)
 

@@ -50,15 +50,19 @@ def vhost_of(url: str) -> str:
     return unquote(path[1:]) if len(path) > 1 else "/"
 
 
-def management_endpoint(amqp_url: str, explicit: str | None = None) -> ManagementEndpoint:
-    """Where the management HTTP API should be, with the AMQP URL's credentials.
+def management_endpoints(amqp_url: str, explicit: str | None = None) -> list[ManagementEndpoint]:
+    """Where the management HTTP API may be, in the order to try, with the AMQP URL's
+    credentials (an explicit URL's own credentials win).
 
-    amqp -> http on 15672, amqps -> https on 15671, unless `explicit` (or
-    RABBIT_DELAY_MANAGEMENT_URL) names another base URL.
+    `explicit` (or RABBIT_DELAY_MANAGEMENT_URL) alone when given. Otherwise, on an AMQP
+    port other than the standard one, first that port + 10000 (Docker mappings such as
+    5673 -> 15673 follow it), then the standard 15672 (amqps: 15671). Only one that
+    proves to serve the same broker may be used (`management.checked`).
     """
     parts = urlsplit(amqp_url)
     user = unquote(parts.username or "guest")
     password = unquote(parts.password or "guest")
+    vhost = vhost_of(amqp_url)
     explicit = explicit or os.environ.get(MANAGEMENT_URL_ENV)
     if explicit:
         m = urlsplit(explicit)
@@ -68,10 +72,23 @@ def management_endpoint(amqp_url: str, explicit: str | None = None) -> Managemen
         if m.port:
             netloc += f":{m.port}"
         base = urlunsplit((m.scheme or "http", netloc, m.path.rstrip("/"), "", ""))
-    else:
-        tls = parts.scheme == "amqps"
-        host = parts.hostname or "127.0.0.1"
-        if ":" in host:
-            host = f"[{host}]"
-        base = f"{'https' if tls else 'http'}://{host}:{15671 if tls else 15672}"
-    return ManagementEndpoint(base, user, password, vhost_of(amqp_url))
+        return [ManagementEndpoint(base, user, password, vhost)]
+    tls = parts.scheme == "amqps"
+    host = parts.hostname or "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    scheme = "https" if tls else "http"
+    standard_amqp, standard_http = (5671, 15671) if tls else (5672, 15672)
+    ports = [standard_http]
+    try:
+        amqp_port = parts.port or standard_amqp
+    except ValueError:  # not a number: the AMQP connection will say so
+        amqp_port = standard_amqp
+    if amqp_port != standard_amqp and amqp_port + 10000 <= 65535:
+        ports.insert(0, amqp_port + 10000)
+    return [ManagementEndpoint(f"{scheme}://{host}:{p}", user, password, vhost) for p in ports]
+
+
+def management_endpoint(amqp_url: str, explicit: str | None = None) -> ManagementEndpoint:
+    """The first of `management_endpoints`: where the API is most likely to be."""
+    return management_endpoints(amqp_url, explicit)[0]

@@ -18,12 +18,18 @@ from urllib.parse import urlsplit
 import pika
 import pytest
 
+from rabbit_delay.broker import BrokerInfo
+from rabbit_delay.management import checked, get_json
 from rabbit_delay.sync import connected
 from rabbit_delay.sync import delete_topology as sync_delete_topology
 from rabbit_delay.topology import Topology, topology_from_dict
-from rabbit_delay.urls import DEFAULT_URL, ManagementEndpoint, management_endpoint
+from rabbit_delay.urls import DEFAULT_URL, ManagementEndpoint, management_endpoints
 
 TEST_URL_ENV = "RABBIT_DELAY_TEST_URL"
+TEST_MANAGEMENT_URL_ENV = "RABBIT_DELAY_TEST_MANAGEMENT_URL"
+# Set only when other processes use the broker under test at the same time: their objects
+# would look like ours in the leftover check below.
+SHARED_BROKER_ENV = "RABBIT_DELAY_TEST_SHARED_BROKER"
 
 
 def _reachable(url: str) -> bool:
@@ -42,7 +48,7 @@ def _testcontainers_url() -> tuple[str, Any] | None:
     except ImportError:
         return None
     try:
-        container = RabbitMqContainer("rabbitmq:3.13-management")
+        container = RabbitMqContainer("rabbitmq:4.3-management")
         container.start()
     except Exception:  # no Docker engine: the caller decides between skip and fail
         return None
@@ -72,9 +78,98 @@ def broker_url() -> Iterator[str]:
     pytest.skip(reason)
 
 
+def server_info(url: str) -> BrokerInfo:
+    """What the broker at `url` says it is (version, cluster name)."""
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        return BrokerInfo.from_server_properties(conn._impl.server_properties)
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="session")
+def broker_info(broker_url: str) -> BrokerInfo:
+    """The broker under test: its version decides which behaviour a test expects."""
+    return server_info(broker_url)
+
+
+def verified_management(url: str) -> tuple[ManagementEndpoint | None, str]:
+    """The management API of the broker at `url`, proven to be the same broker."""
+    info = server_info(url)
+    access = checked(management_endpoints(url, os.environ.get(TEST_MANAGEMENT_URL_ENV)), info)
+    return access.endpoint, access.note
+
+
 @pytest.fixture(scope="session")
 def management(broker_url: str) -> ManagementEndpoint:
-    return management_endpoint(broker_url)
+    """The management API of the broker under test (derived from its URL, or
+    RABBIT_DELAY_TEST_MANAGEMENT_URL), checked to serve that very broker."""
+    endpoint, note = verified_management(broker_url)
+    if endpoint is None:
+        reason = f"no management API for the broker under test: {note}"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return endpoint
+
+
+# -- nothing left behind ----------------------------------------------------------------
+# Every test deletes what it made. The controlling process (not each xdist worker) takes
+# a snapshot of the broker under test before the first test and compares after the last:
+# a queue, exchange, vhost, user or policy that was not there before fails the run.
+
+_SNAPSHOT_KINDS = ("queues", "exchanges", "vhosts", "users", "policies")
+
+
+def _broker_objects(endpoint: ManagementEndpoint) -> set[tuple[str, str, str]]:
+    found: set[tuple[str, str, str]] = set()
+    for kind in _SNAPSHOT_KINDS:
+        for item in get_json(endpoint, kind):
+            if kind in ("queues", "exchanges") and str(item.get("name", "")).startswith("amq.gen-"):
+                continue  # server-named exclusive queues of connections still closing
+            found.add((kind, str(item.get("vhost", "")), str(item.get("name", ""))))
+    return found
+
+
+def _leftover_check_url(config: pytest.Config) -> str | None:
+    if hasattr(config, "workerinput") or os.environ.get(SHARED_BROKER_ENV):
+        return None  # an xdist worker: the controller checks once for all
+    url = os.environ.get(TEST_URL_ENV) or (DEFAULT_URL if _reachable(DEFAULT_URL) else None)
+    return url if url and _reachable(url) else None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    url = _leftover_check_url(session.config)
+    if url is None:
+        return
+    endpoint, _note = verified_management(url)
+    if endpoint is not None:
+        session.config.stash[_BEFORE] = (endpoint, _broker_objects(endpoint))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    before = session.config.stash.get(_BEFORE, None)
+    if before is None:
+        return
+    endpoint, objects = before
+    deadline = time.monotonic() + 10  # queues of closing connections go away by themselves
+    while True:
+        left = sorted(_broker_objects(endpoint) - objects)
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if left:
+        lines = "\n".join(f"  {kind[:-1]} {name!r} (vhost {vhost!r})" for kind, vhost, name in left)
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"the tests left {len(left)} object(s) on the broker under test:\n{lines}"
+        if reporter is not None:
+            reporter.write_line(message, red=True, bold=True)
+        else:
+            print(message)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_BEFORE = pytest.StashKey[tuple[ManagementEndpoint, set[tuple[str, str, str]]]]()
 
 
 @pytest.fixture

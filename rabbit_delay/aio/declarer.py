@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+import uuid
 from collections.abc import Generator
 from typing import TypeVar
 
@@ -10,10 +13,11 @@ from aio_pika.abc import AbstractChannel as AbstractAioChannel
 from aio_pika.abc import AbstractConnection
 from aiormq.abc import AbstractChannel
 
-from rabbit_delay.aio._connection import plain_channel
+from rabbit_delay.aio._connection import broker_info, plain_channel
 from rabbit_delay.errors import BrokerError, MissingObjectError, MissingPluginError
 from rabbit_delay.plan import (
     PLUGIN_HINT,
+    ROUTING_PROBE_TIMEOUT_S,
     TYPE_PROBE_EXCHANGE,
     UNKNOWN_EXCHANGE_TYPE,
     Declare,
@@ -24,6 +28,7 @@ from rabbit_delay.plan import (
     Observed,
     Operation,
     Plan,
+    RoutesEveryKey,
     SupportsType,
     declare_program,
     describe,
@@ -59,30 +64,55 @@ class _Executor:
     async def __call__(self, op: Operation) -> object:
         try:
             return await self._run(op)
-        except aiormq.exceptions.ChannelAccessRefused as exc:
-            self._ch = None
-            if isinstance(op, SupportsType):
-                return True  # the type passed the check; the reserved name was refused
-            raise BrokerError(f"{_text(exc)} (while {describe(op)})") from None
-        except aiormq.exceptions.ChannelNotFoundEntity as exc:
-            self._ch = None
-            if isinstance(op, Exists):
-                return False
-            raise MissingObjectError(f"{_text(exc)} (while {describe(op)})") from None
-        except aiormq.exceptions.ChannelPreconditionFailed as exc:
-            self._ch = None
-            if isinstance(op, Declare):
-                return _text(exc)
-            raise BrokerError(f"{_text(exc)} (while {describe(op)})") from None
-        except aiormq.exceptions.ChannelClosed as exc:
-            self._ch = None
-            raise BrokerError(f"{_text(exc)} (while {describe(op)})") from None
         except aiormq.exceptions.ConnectionClosed as exc:
-            if UNKNOWN_EXCHANGE_TYPE in _text(exc):
+            if UNKNOWN_EXCHANGE_TYPE.search(_text(exc)):  # 3.x: 503, whole connection
                 raise MissingPluginError(f"{_text(exc)}: {PLUGIN_HINT}") from None
             raise BrokerError(f"connection closed by the broker: {_text(exc)}") from None
+        except aiormq.exceptions.ChannelClosed as exc:
+            self._ch = None
+            text = _text(exc)
+            if UNKNOWN_EXCHANGE_TYPE.search(text):  # 4.x: 406, channel only
+                raise MissingPluginError(f"{text}: {PLUGIN_HINT}") from None
+            if isinstance(exc, aiormq.exceptions.ChannelAccessRefused):
+                if isinstance(op, SupportsType):
+                    return True  # the type passed the check; the reserved name was refused
+            elif isinstance(exc, aiormq.exceptions.ChannelNotFoundEntity):
+                if isinstance(op, Exists):
+                    return False
+                raise MissingObjectError(f"{text} (while {describe(op)})") from None
+            elif isinstance(exc, aiormq.exceptions.ChannelPreconditionFailed) and isinstance(
+                op, Declare
+            ):
+                return text
+            raise BrokerError(f"{text} (while {describe(op)})") from None
+
+    async def _routes_every_key(self, op: RoutesEveryKey) -> bool:
+        """See plan.RoutesEveryKey: a temporary exclusive queue, deleted with its channel."""
+        owner = await plain_channel(self.connection, confirms=True)
+        try:
+            ch = await owner.get_underlay_channel()
+            declared = await ch.queue_declare("", exclusive=True, auto_delete=True)
+            queue = declared.queue
+            assert queue is not None
+            probe = f"rabbit-delay.routing-probe.{uuid.uuid4().hex}"
+            await ch.queue_bind(queue, op.exchange, routing_key=f"{probe}.bound")
+            if op.due is not None:  # the probe's way back through the due exchange
+                await ch.queue_bind(queue, op.due, routing_key=f"{probe}.sent")
+            await ch.basic_publish(b"", exchange=op.exchange, routing_key=f"{probe}.sent")
+            deadline = time.monotonic() + ROUTING_PROBE_TIMEOUT_S
+            while time.monotonic() < deadline:
+                got = await ch.basic_get(queue, no_ack=True)
+                if got.delivery_tag is not None:
+                    return True
+                await asyncio.sleep(0.02)
+            return False
+        finally:
+            if not owner.is_closed:
+                await owner.close()  # the exclusive queue goes with it
 
     async def _run(self, op: Operation) -> object:
+        if isinstance(op, RoutesEveryKey):
+            return await self._routes_every_key(op)
         ch = await self.channel()
         if isinstance(op, SupportsType):
             await ch.exchange_declare(
@@ -142,11 +172,13 @@ async def declare(
     connection: AbstractConnection, topology: Topology, *, observed: Observed | None = None
 ) -> DeclareReport:
     """Declare the topology (see rabbit_delay.sync.declare for what it raises)."""
-    return await run_program(connection, declare_program(desired(topology), observed))
+    program = declare_program(desired(topology), observed, broker_info(connection))
+    return await run_program(connection, program)
 
 
 async def plan(
     connection: AbstractConnection, topology: Topology, *, observed: Observed | None = None
 ) -> Plan:
     """What `declare` would do, changing nothing. Raises MissingPluginError."""
-    return await run_program(connection, plan_program(desired(topology), observed))
+    program = plan_program(desired(topology), observed, broker_info(connection))
+    return await run_program(connection, program)

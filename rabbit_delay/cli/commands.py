@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -28,11 +28,13 @@ from rabbit_delay.cli._app import (
 )
 from rabbit_delay.durations import parse_ms
 from rabbit_delay.errors import DeclarationConflict, DurationError
-from rabbit_delay.management import observe
+from rabbit_delay.management import Access, checked, observe
 from rabbit_delay.names import H_DUE_AT, H_TIER
-from rabbit_delay.plan import Action, Observed, Plan, PlanItem
-from rabbit_delay.topology import Topology
-from rabbit_delay.urls import management_endpoint, redact
+from rabbit_delay.plan import Action, Plan, PlanItem
+from rabbit_delay.urls import management_endpoints, redact
+
+if TYPE_CHECKING:
+    from rabbit_delay.broker import BrokerInfo
 
 MgmtOpt = Annotated[
     str | None,
@@ -64,10 +66,12 @@ _DONE_WORDS = {
 }
 
 
-def _observe(
-    topology: Topology, url: str, management_url: str | None, no_management: bool
-) -> Observed | None:
-    return None if no_management else observe(management_endpoint(url, management_url), topology)
+def management_access(
+    broker: BrokerInfo, url: str, management_url: str | None, no_management: bool
+) -> Access:
+    """The management API for the broker at `url`, if it provably serves it."""
+    endpoints = [] if no_management else management_endpoints(url, management_url)
+    return checked(endpoints, broker)
 
 
 def _items_json(
@@ -126,34 +130,31 @@ def plan(
 
     Exit code: 0 in sync, 2 changes pending, 1 error (conflicts count as pending).
     """
-    from rabbit_delay.sync import connected
+    from rabbit_delay.sync import broker_info, connected
     from rabbit_delay.sync import plan as sync_plan
 
     with errors_to_exit():
         topology = resolve_topology(file)
         broker = url_for(url)
-        observed = _observe(topology, broker, management_url, no_management)
         with connected(broker, name="rabbit-delay plan") as connection:
+            info = broker_info(connection)
+            access = management_access(info, broker, management_url, no_management)
+            observed, source = observe(access, topology)
             result = sync_plan(connection, topology, observed=observed)
-    source = (
-        "management API" if observed is not None else "passive declares (arguments not compared)"
-    )
     if as_json:
         print_json(
             {
                 "in_sync": result.in_sync,
                 "source": source,
                 "broker": redact(broker),
+                "broker_version": info.version_text,
                 "items": _items_json(result.items),
             }
         )
     else:
-        out.print(
-            _table(
-                escape(f"plan for {topology.names.prefix} on {redact(broker)} (read via {source})"),
-                result.items,
-            )
-        )
+        title = f"plan for {topology.names.prefix} on {redact(broker)} ({info.describe()})"
+        out.print(_table(escape(title), result.items))
+        out.print(escape(f"read via {source}"))
         for conflict in result.conflicts:
             out.print(f"[bold red]conflict:[/] {escape(conflict.describe())}")
         state = "in sync" if result.in_sync else "changes pending"
@@ -174,28 +175,44 @@ def declare(
     Idempotent. Shows the plan first; stops without changing anything when an object
     exists with other arguments.
     """
-    from rabbit_delay.sync import connected
+    from rabbit_delay.sync import broker_info, connected
     from rabbit_delay.sync import declare as sync_declare
     from rabbit_delay.sync import plan as sync_plan
 
     with errors_to_exit():
         topology = resolve_topology(file)
         broker = url_for(url)
-        observed = _observe(topology, broker, management_url, no_management)
         with connected(broker, name="rabbit-delay declare") as connection:
+            info = broker_info(connection)
+            access = management_access(info, broker, management_url, no_management)
+            observed, source = observe(access, topology)
             before = sync_plan(connection, topology, observed=observed)
             if not as_json:
-                title = escape(f"plan for {topology.names.prefix} on {redact(broker)}")
-                out.print(_table(title, before.items))
+                title = f"plan for {topology.names.prefix} on {redact(broker)} ({info.describe()})"
+                out.print(_table(escape(title), before.items))
+                out.print(escape(f"read via {source}"))
             try:
                 report = sync_declare(connection, topology, observed=observed)
             except DeclarationConflict as exc:
                 if as_json:
-                    print_json({"ok": False, "error": str(exc), "items": _items_json(before.items)})
+                    print_json(
+                        {
+                            "ok": False,
+                            "error": str(exc),
+                            "source": source,
+                            "items": _items_json(before.items),
+                        }
+                    )
                 raise
     if as_json:
         print_json(
-            {"ok": True, "changed": report.changed, "items": _items_json(report.items, _DONE_WORDS)}
+            {
+                "ok": True,
+                "changed": report.changed,
+                "source": source,
+                "broker_version": info.version_text,
+                "items": _items_json(report.items, _DONE_WORDS),
+            }
         )
         return
     out.print(_table("result", report.items, _DONE_WORDS))

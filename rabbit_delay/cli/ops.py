@@ -26,15 +26,16 @@ from rabbit_delay.cli._app import (
     resolve_topology,
     url_for,
 )
-from rabbit_delay.cli.commands import MgmtOpt, NoMgmtOpt
+from rabbit_delay.cli.commands import MgmtOpt, NoMgmtOpt, management_access
 from rabbit_delay.durations import format_ms
-from rabbit_delay.errors import BrokerUnavailable
-from rabbit_delay.management import ManagementUnavailable, QueueStats, read_queue_stats
+from rabbit_delay.errors import BrokerUnavailable, ManagementUnavailable
+from rabbit_delay.management import QueueStats, read_queue_stats
 from rabbit_delay.plan import desired
 from rabbit_delay.topology import Topology
 from rabbit_delay.urls import ManagementEndpoint, management_endpoint, redact
 
 if TYPE_CHECKING:
+    from rabbit_delay.broker import BrokerInfo
     from rabbit_delay.sync.replay import PassiveCounts, Preview, ReplayReport
 
 # A parking lot or the catch-all holds messages, or a delay buffer has consumers.
@@ -183,12 +184,6 @@ def _status_table(title: str, rows: list[QueueRow]) -> Table:
     return table
 
 
-def _endpoint(
-    broker: str, management_url: str | None, no_management: bool
-) -> ManagementEndpoint | None:
-    return None if no_management else management_endpoint(broker, management_url)
-
-
 @app.command()
 def status(
     file: TopologyArg = None,
@@ -211,7 +206,7 @@ def status(
     Unacked messages: from the management API, sampled every few seconds ('?' without it).
     Exit code 0; 3 with --check when something needs a human; 1 on error.
     """
-    from rabbit_delay.sync import connect
+    from rabbit_delay.sync import broker_info, connect
     from rabbit_delay.sync.replay import passive_counts
 
     with errors_to_exit():
@@ -220,19 +215,27 @@ def status(
         names = [spec.name for spec in desired(topology).queues]
         live: dict[str, PassiveCounts | None] | None = None
         amqp_error: BrokerUnavailable | None = None
+        info: BrokerInfo | None = None
+        endpoint: ManagementEndpoint | None = None
         try:
             connection = connect(broker, name="rabbit-delay status")
         except BrokerUnavailable as exc:
             amqp_error = exc
+            # Nothing to compare the API with: use it, and say it is unverified.
+            if not no_management:
+                endpoint = management_endpoint(broker, management_url)
+            api_note = f"{endpoint.base} (not verified: no AMQP connection)" if endpoint else ""
         else:
             try:
+                info = broker_info(connection)
                 live = passive_counts(connection, names)
             finally:
                 if connection.is_open:
                     connection.close()
+            access = management_access(info, broker, management_url, no_management)
+            endpoint, api_note = access.endpoint, access.note
         api: dict[str, QueueStats] | None = None
-        api_error = "not used (--no-management)"
-        endpoint = _endpoint(broker, management_url, no_management)
+        api_error = api_note or "not used (--no-management)"
         if endpoint is not None:
             try:
                 api = read_queue_stats(endpoint, topology.names.prefix + ".")
@@ -252,6 +255,7 @@ def status(
             {
                 "namespace": topology.names.prefix,
                 "broker": redact(broker),
+                "broker_version": info.version_text if info is not None else None,
                 "sources": sources,
                 "management_api": "ok" if api is not None else api_error,
                 "attention": attention,
@@ -259,7 +263,8 @@ def status(
             }
         )
     else:
-        title = f"status of {topology.names.prefix} on {redact(broker)}"
+        described = f" ({info.describe()})" if info is not None else ""
+        title = f"status of {topology.names.prefix} on {redact(broker)}{described}"
         out.print(_status_table(escape(title), rows))
         if api is None:
             out.print(escape(f"management API {api_error}: unacked messages unknown ('?')"))
@@ -369,7 +374,7 @@ def replay(
     Each copy is confirmed by the broker before the parked message is acked.
     On a failure the message stays parked and the command stops with exit code 1.
     """
-    from rabbit_delay.sync import connect
+    from rabbit_delay.sync import broker_info, connect
     from rabbit_delay.sync.replay import (
         preview_parked,
         preview_unroutable,
@@ -393,7 +398,8 @@ def replay(
         connection = connect(broker, name="rabbit-delay replay")
         try:
             if dry_run:
-                endpoint = _endpoint(broker, management_url, no_management)
+                info = broker_info(connection)
+                endpoint = management_access(info, broker, management_url, no_management).endpoint
                 if unroutable:
                     preview = preview_unroutable(
                         connection, topology, queue=queue, limit=limit, endpoint=endpoint

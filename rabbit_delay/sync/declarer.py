@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import Generator
 from typing import TypeVar
 
@@ -12,6 +14,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 from rabbit_delay.errors import BrokerError, MissingObjectError, MissingPluginError
 from rabbit_delay.plan import (
     PLUGIN_HINT,
+    ROUTING_PROBE_TIMEOUT_S,
     TYPE_PROBE_EXCHANGE,
     UNKNOWN_EXCHANGE_TYPE,
     Declare,
@@ -23,12 +26,14 @@ from rabbit_delay.plan import (
     Observed,
     Operation,
     Plan,
+    RoutesEveryKey,
     SupportsType,
     declare_program,
     describe,
     desired,
     plan_program,
 )
+from rabbit_delay.sync._connection import broker_info
 from rabbit_delay.topology import Topology
 
 T = TypeVar("T")
@@ -56,6 +61,8 @@ class _Executor:
             return self._run(op)
         except pika.exceptions.ChannelClosedByBroker as exc:
             self._ch = None
+            if UNKNOWN_EXCHANGE_TYPE.search(exc.reply_text):  # 4.x: 406, channel only
+                raise MissingPluginError(f"{exc.reply_text}: {PLUGIN_HINT}") from None
             if isinstance(op, Exists) and exc.reply_code == 404:
                 return False
             if isinstance(op, Declare) and exc.reply_code == 406:
@@ -66,13 +73,37 @@ class _Executor:
                 raise MissingObjectError(f"{exc.reply_text} (while {describe(op)})") from None
             raise BrokerError(f"{exc.reply_code} {exc.reply_text} (while {describe(op)})") from None
         except pika.exceptions.ConnectionClosedByBroker as exc:
-            if UNKNOWN_EXCHANGE_TYPE in exc.reply_text:
+            if UNKNOWN_EXCHANGE_TYPE.search(exc.reply_text):  # 3.x: 503, whole connection
                 raise MissingPluginError(f"{exc.reply_text}: {PLUGIN_HINT}") from None
             raise BrokerError(
                 f"connection closed by the broker: {exc.reply_code} {exc.reply_text}"
             ) from None
 
+    def _routes_every_key(self, op: RoutesEveryKey) -> bool:
+        """See plan.RoutesEveryKey: a temporary exclusive queue, deleted with its channel."""
+        ch = self.connection.channel()
+        try:
+            queue = ch.queue_declare("", exclusive=True, auto_delete=True).method.queue
+            probe = f"rabbit-delay.routing-probe.{uuid.uuid4().hex}"
+            ch.queue_bind(queue, op.exchange, routing_key=f"{probe}.bound")
+            if op.due is not None:  # the probe's way back through the due exchange
+                ch.queue_bind(queue, op.due, routing_key=f"{probe}.sent")
+            ch.confirm_delivery()
+            ch.basic_publish(op.exchange, f"{probe}.sent", b"", pika.BasicProperties())
+            deadline = time.monotonic() + ROUTING_PROBE_TIMEOUT_S
+            while time.monotonic() < deadline:
+                method, _props, _body = ch.basic_get(queue, auto_ack=True)
+                if method is not None:
+                    return True
+                self.connection.sleep(0.02)
+            return False
+        finally:
+            if ch.is_open:
+                ch.close()  # the exclusive queue goes with it
+
     def _run(self, op: Operation) -> object:
+        if isinstance(op, RoutesEveryKey):
+            return self._routes_every_key(op)
         ch = self.channel
         if isinstance(op, SupportsType):
             ch.exchange_declare(TYPE_PROBE_EXCHANGE, op.exchange_type, durable=False)
@@ -121,9 +152,10 @@ def declare(
     *,
     observed: Observed | None = None,
 ) -> DeclareReport:
-    """Declare the topology. Raises DeclarationConflict (nothing changed),
-    MissingPluginError, MissingObjectError or BrokerError."""
-    return run_program(connection, declare_program(desired(topology), observed))
+    """Declare the topology. Raises DeclarationConflict or IncompatibleBroker (nothing
+    changed), MissingPluginError, MissingObjectError or BrokerError."""
+    program = declare_program(desired(topology), observed, broker_info(connection))
+    return run_program(connection, program)
 
 
 def plan(
@@ -131,9 +163,11 @@ def plan(
 ) -> Plan:
     """What `declare` would do, changing nothing (see plan.plan_program).
 
-    Raises MissingPluginError when the topology needs a plugin the broker lacks.
+    Raises MissingPluginError when the topology needs a plugin the broker lacks,
+    IncompatibleBroker when the broker's version cannot hold the topology.
     """
-    return run_program(connection, plan_program(desired(topology), observed))
+    program = plan_program(desired(topology), observed, broker_info(connection))
+    return run_program(connection, program)
 
 
 def delete_topology(connection: pika.BlockingConnection, topology: Topology) -> list[str]:

@@ -19,8 +19,8 @@ import pika.exceptions
 import pika.spec
 from pika.adapters.blocking_connection import BlockingChannel
 
-from rabbit_delay.errors import BrokerError, MissingObjectError, PublishError
-from rabbit_delay.management import ManagementUnavailable, peek_messages
+from rabbit_delay.errors import BrokerError, ManagementUnavailable, MissingObjectError, PublishError
+from rabbit_delay.management import peek_messages
 from rabbit_delay.message import Outgoing, now_ms
 from rabbit_delay.replay import Leave, ParkedReplay, Stored, UnroutableReplay
 from rabbit_delay.sync.publisher import Publisher

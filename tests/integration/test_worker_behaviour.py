@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from rabbit_delay import names as h
 from rabbit_delay.consumer import App, HandlerContext, Reject, Retry
 from rabbit_delay.errors import ConfigError, MissingObjectError
-from rabbit_delay.idempotency import MemoryStore
+from rabbit_delay.idempotency import ClaimResult, MemoryStore
 from rabbit_delay.sync import Publisher, connect, declare
 from rabbit_delay.topology import Topology
 from rabbit_delay.urls import ManagementEndpoint
@@ -339,6 +339,49 @@ def test_a_duplicate_arriving_while_the_first_runs_is_not_run_beside_it(
 
     assert len(calls.started) == 1
     assert worker.stats.deferred >= 1
+    assert message_count(broker_url, topology.names.business_queue(QUEUE)) == 0
+
+
+class FlakyStore(MemoryStore):
+    """An idempotency store whose first `failures` claims raise (an outage), then works."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures_left = failures
+        self.failed_claims = 0
+
+    def claim(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> ClaimResult:
+        if self.failures_left > 0:
+            self.failures_left -= 1
+            self.failed_claims += 1
+            raise ConnectionError("idempotency store unreachable")
+        return super().claim(key, owner, now_ms=now_ms, lease_ms=lease_ms)
+
+
+def test_a_store_outage_longer_than_the_delivery_limit_parks_nothing(
+    kind: str, declared: Declared, run_worker: Runner, broker_url: str
+) -> None:
+    # The claim fails on more deliveries than the queue's delivery limit. Where the broker
+    # counts a nack-requeue towards the limit (3.10, 4.0-4.2), handing the message back
+    # with a nack would have the broker dead-letter a good message to the parking lot.
+    limit = 2
+    topology = declared(queues={QUEUE: {"delivery_limit": limit}})
+    store = FlakyStore(failures=limit + 2)
+    app = App(topology, store=store)
+    calls = Calls()
+    app.add_consumer(QUEUE, handler(kind, calls), model=CancelOrder)
+    worker = run_worker(kind, app)
+    [message_id] = publish(broker_url, topology, {"order_id": 16})
+
+    [done] = calls.wait_finished(1, timeout=40)
+    wait_for(lambda: worker.stats.acked == 1, 10, "the ack")
+    worker.stop()
+
+    assert store.failed_claims == limit + 2
+    assert done.ctx.message_id == message_id
+    assert done.ctx.attempt == 1  # an outage is not an attempt
+    assert len(calls.started) == 1
+    assert message_count(broker_url, topology.names.parking_queue(QUEUE)) == 0
     assert message_count(broker_url, topology.names.business_queue(QUEUE)) == 0
 
 

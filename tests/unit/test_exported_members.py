@@ -21,6 +21,8 @@ EXPECTED = {
     "DurationError",
     "EncodeError",
     "MissingObjectError",
+    "IncompatibleBroker",
+    "ManagementUnavailable",
     "MissingPluginError",
     "NackError",
     "Names",

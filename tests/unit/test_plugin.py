@@ -9,10 +9,17 @@ from typing import Any
 import pytest
 
 from rabbit_delay import names as h
+from rabbit_delay.broker import BrokerInfo
 from rabbit_delay.delays import PLUGIN, Router
 from rabbit_delay.durations import MAX_TTL_MS
-from rabbit_delay.errors import DelayError, MissingPluginError
+from rabbit_delay.errors import (
+    DeclarationConflict,
+    DelayError,
+    IncompatibleBroker,
+    MissingPluginError,
+)
 from rabbit_delay.plan import (
+    Action,
     Bind,
     Declare,
     ExchangeSpec,
@@ -21,8 +28,11 @@ from rabbit_delay.plan import (
     Kind,
     Observed,
     Operation,
+    RoutesEveryKey,
+    SupportsType,
     declare_program,
     desired,
+    plan_program,
 )
 from rabbit_delay.publishing import PublisherCore
 from rabbit_delay.topology import Topology, topology_from_dict
@@ -251,3 +261,128 @@ def test_due_at_is_publish_time_plus_delay() -> None:
     route = core.route(queue="push", delay=3)
     out = core.outgoing(route, b"x", "application/octet-stream", now=10_000)
     assert out.headers[h.H_DUE_AT] == 13_000
+
+
+# -- the broker's version and an exchange of the wrong inner type --------------------------
+
+BROKER_4_3 = BrokerInfo.from_server_properties({"version": "4.3.6", "cluster_name": "c"})
+BROKER_4_0 = BrokerInfo.from_server_properties({"version": "4.0.5", "cluster_name": "c"})
+
+
+@pytest.mark.parametrize("program", [declare_program, plan_program])
+def test_plugin_topology_is_refused_on_4_3_before_any_operation(program: Any) -> None:
+    started = program(desired(make()), None, BROKER_4_3)
+    with pytest.raises(IncompatibleBroker) as caught:
+        next(started)  # not one operation: nothing is asked of the broker
+    assert "[cascade]" in str(caught.value)
+    assert "4.3.6" in str(caught.value)
+    # the same topology is fine on 4.0 (the plugin can run there)
+    assert isinstance(next(program(desired(make()), None, BROKER_4_0)), SupportsType)
+
+
+class PluginPresent:
+    """A fake driver for a broker WITH the plugin, where some objects exist and the plugin
+    exchange routes every key (fanout) or not (another x-delayed-type), which its
+    re-declare cannot tell: the plugin's equivalence check ignores x-delayed-type."""
+
+    def __init__(self, existing: set[str], routes_every_key: bool) -> None:
+        self.existing = existing
+        self.routes_every_key = routes_every_key
+        self.ops: list[Operation] = []
+
+    def __call__(self, op: Operation) -> object:
+        self.ops.append(op)
+        if isinstance(op, RoutesEveryKey):
+            return self.routes_every_key
+        if isinstance(op, SupportsType):
+            return True
+        if isinstance(op, Exists):
+            return op.spec.name in self.existing
+        return None  # a re-declare is accepted whatever the inner type
+
+    def drive(self, program: Any) -> Any:
+        try:
+            op = next(program)
+            while True:
+                op = program.send(self(op))
+        except StopIteration as stop:
+            return stop.value
+
+    @property
+    def creates(self) -> list[str]:
+        return [
+            o.spec.name
+            for o in self.ops
+            if isinstance(o, Declare | Bind) and o.spec.name not in self.existing
+        ]
+
+
+def everything(topology: Topology) -> set[str]:
+    want = desired(topology)
+    return {s.name for s in want.objects}
+
+
+def test_a_wrong_inner_type_is_a_conflict_without_the_management_api() -> None:
+    topology = make()
+    n = topology.names
+    driver = PluginPresent(everything(topology), routes_every_key=False)
+    with pytest.raises(DeclarationConflict) as caught:
+        driver.drive(declare_program(desired(topology), None, BROKER_4_0))
+    (conflict,) = caught.value.conflicts
+    assert (conflict.name, conflict.argument, conflict.wanted) == (
+        n.plugin_exchange(),
+        "x-delayed-type",
+        "fanout",
+    )
+    assert "not fanout" in str(conflict.on_broker)
+    assert driver.creates == []  # nothing created, nothing bound
+    probes = [o for o in driver.ops if isinstance(o, RoutesEveryKey)]
+    # probed once all presence is known, through the due exchange (it exists)
+    assert probes == [RoutesEveryKey(n.plugin_exchange(), n.due_exchange())]
+
+
+def test_plan_reports_a_wrong_inner_type_as_a_conflict_never_in_place() -> None:
+    topology = make()
+    driver = PluginPresent(everything(topology), routes_every_key=False)
+    plan = driver.drive(plan_program(desired(topology), None, BROKER_4_0))
+    item = next(i for i in plan.items if i.name == topology.names.plugin_exchange())
+    assert item.action is Action.CONFLICT
+    assert not plan.in_sync
+
+
+def test_a_fanout_plugin_exchange_is_in_place_after_the_probe() -> None:
+    topology = make()
+    driver = PluginPresent(everything(topology), routes_every_key=True)
+    report = driver.drive(declare_program(desired(topology), None, BROKER_4_0))
+    item = next(i for i in report.items if i.name == topology.names.plugin_exchange())
+    assert item.action is Action.IN_PLACE
+    assert not report.changed
+
+
+def test_without_the_due_exchange_the_probe_does_not_route_through_it() -> None:
+    topology = make()
+    n = topology.names
+    driver = PluginPresent({n.plugin_exchange()}, routes_every_key=True)
+    driver.drive(declare_program(desired(topology), None, BROKER_4_0))
+    assert [o for o in driver.ops if isinstance(o, RoutesEveryKey)] == [
+        RoutesEveryKey(n.plugin_exchange(), None)
+    ]
+
+
+def test_no_probe_when_the_management_api_shows_the_arguments() -> None:
+    topology = make()
+    n = topology.names
+    observed = Observed(
+        exchanges={
+            n.plugin_exchange(): ExistingObject({"x-delayed-type": "direct"}, True, PLUGIN_TYPE)
+        },
+        queues={},
+        bindings=frozenset(),
+    )
+    driver = PluginPresent({n.plugin_exchange()}, routes_every_key=True)
+    with pytest.raises(DeclarationConflict) as caught:
+        driver.drive(declare_program(desired(topology), observed, BROKER_4_0))
+    assert [(c.argument, c.on_broker) for c in caught.value.conflicts] == [
+        ("x-delayed-type", "direct")
+    ]
+    assert not any(isinstance(o, RoutesEveryKey) for o in driver.ops)
