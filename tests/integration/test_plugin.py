@@ -35,7 +35,12 @@ import pytest
 from rabbit_delay import aio
 from rabbit_delay import names as h
 from rabbit_delay.broker import BrokerInfo
-from rabbit_delay.errors import IncompatibleBroker, MissingObjectError, MissingPluginError
+from rabbit_delay.errors import (
+    DeclarationConflict,
+    IncompatibleBroker,
+    MissingObjectError,
+    MissingPluginError,
+)
 from rabbit_delay.management import read_observed
 from rabbit_delay.plan import ExchangeSpec, Operation, QueueSpec, SupportsType, desired
 from rabbit_delay.sync import Publisher, connect, declare, plan
@@ -422,3 +427,45 @@ def test_a_due_message_matching_no_queue_goes_to_the_catch_all_only_when_due(
         time.sleep(1)
     assert got.arrival_ms >= sent_at + 1_000
     assert [r.message_id for r in catch_all.received] == [stray]
+
+
+@pytest.mark.plugin
+@pytest.mark.parametrize("view", ["passive declares", "management API"])
+def test_a_plugin_exchange_of_another_inner_type_is_a_conflict(plugin_url: str, view: str) -> None:
+    """The plugin's equivalence check ignores x-delayed-type: a re-declare accepts a
+    `direct` inner type, which would drop every due message. `declare` must report it,
+    with or without the management API, and create nothing."""
+    topology = topology_from_dict(plugin_data())
+    name = topology.names.plugin_exchange()
+    conn = pika.BlockingConnection(pika.URLParameters(plugin_url))
+    try:
+        conn.channel().exchange_declare(
+            name, "x-delayed-message", durable=True, arguments={"x-delayed-type": "direct"}
+        )
+    finally:
+        conn.close()
+    try:
+        observed = None
+        if view == "management API":
+            from conftest import verified_management
+
+            endpoint, note = verified_management(plugin_url)
+            if endpoint is None:
+                pytest.skip(f"the plugin broker's management API cannot be used: {note}")
+            observed = read_observed(endpoint, topology.names.prefix + ".")
+        conn = connect(plugin_url)
+        try:
+            with pytest.raises(DeclarationConflict) as caught:
+                declare(conn, topology, observed=observed)
+        finally:
+            if conn.is_open:
+                conn.close()
+        assert [(c.name, c.argument) for c in caught.value.conflicts] == [(name, "x-delayed-type")]
+        created = [s.name for s in desired(topology).objects if exists(plugin_url, s)]
+        assert created == [name]  # only the pre-made exchange: nothing was created
+    finally:
+        conn = pika.BlockingConnection(pika.URLParameters(plugin_url))
+        try:
+            conn.channel().exchange_delete(name)
+        finally:
+            conn.close()

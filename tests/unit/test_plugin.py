@@ -19,6 +19,7 @@ from rabbit_delay.errors import (
     MissingPluginError,
 )
 from rabbit_delay.plan import (
+    UNKNOWN_EXCHANGE_TYPE,
     Action,
     Bind,
     Declare,
@@ -386,3 +387,16 @@ def test_no_probe_when_the_management_api_shows_the_arguments() -> None:
         ("x-delayed-type", "direct")
     ]
     assert not any(isinstance(o, RoutesEveryKey) for o in driver.ops)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "COMMAND_INVALID - unknown exchange type 'x-delayed-message'",  # 3.x, 503
+        "PRECONDITION_FAILED - unknown exchange type 'x-delayed-message'",  # 4.x, 406
+        "PRECONDITION_FAILED - invalid exchange type 'x-delayed-message'",  # plugin disabled
+    ],
+)
+def test_every_missing_plugin_reply_is_recognised(reply: str) -> None:
+    assert UNKNOWN_EXCHANGE_TYPE.search(reply)
+    assert not UNKNOWN_EXCHANGE_TYPE.search("PRECONDITION_FAILED - inequivalent arg 'type'")

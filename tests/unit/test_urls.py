@@ -10,6 +10,7 @@ from rabbit_delay.urls import (
     URL_ENV,
     broker_url,
     management_endpoint,
+    management_endpoints,
     redact,
     vhost_of,
 )
@@ -119,3 +120,27 @@ def test_management_endpoint_explicit(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (other.username, other.password) == ("admin", "adm!n")
     monkeypatch.setenv(MANAGEMENT_URL_ENV, "http://fromenv:8080")
     assert management_endpoint("amqp://u:p@rabbit/").base == "http://fromenv:8080"
+
+
+def test_management_candidates_follow_a_non_standard_amqp_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(MANAGEMENT_URL_ENV, raising=False)
+    # 5673 -> 15673 first (Docker mappings, .ci/brokers.sh), then the standard port
+    bases = [e.base for e in management_endpoints("amqp://u:p@rabbit:5673/v")]
+    assert bases == ["http://rabbit:15673", "http://rabbit:15672"]
+    assert [e.base for e in management_endpoints("amqp://u:p@rabbit:5672/v")] == [
+        "http://rabbit:15672"
+    ]
+    assert [e.base for e in management_endpoints("amqps://u:p@rabbit:5676/v")] == [
+        "https://rabbit:15676",
+        "https://rabbit:15671",
+    ]
+    # a port that cannot take + 10000, or no number at all: the standard one only
+    assert [e.base for e in management_endpoints("amqp://rabbit:60000/")] == ["http://rabbit:15672"]
+    assert [e.base for e in management_endpoints("amqp://rabbit:x/")] == ["http://rabbit:15672"]
+    # an explicit URL is the only candidate
+    assert [e.base for e in management_endpoints("amqp://rabbit:5673/", "http://m:1/")] == [
+        "http://m:1"
+    ]
+    assert management_endpoint("amqp://rabbit:5673/").base == "http://rabbit:15673"
