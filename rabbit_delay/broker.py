@@ -115,6 +115,18 @@ class BrokerInfo:
 UNKNOWN = BrokerInfo(product="unknown")
 
 
+# Before 4.3, a delivery left unacked past `consumer_timeout` makes the broker close the
+# whole channel (checked on the channel tick, about once a minute): "406
+# PRECONDITION_FAILED - delivery acknowledgement on channel 1 timed out. Timeout value
+# used: 1800000 ms ...". 4.3 quorum queues send basic.cancel for that one consumer instead.
+_CONSUMER_TIMEOUT = re.compile(r"delivery acknowledgement .*timed out", re.I)
+
+
+def is_consumer_timeout(reply_text: str) -> bool:
+    """Does a channel-close reply say the broker's consumer_timeout expired?"""
+    return _CONSUMER_TIMEOUT.search(reply_text) is not None
+
+
 # -- arguments the broker adds by itself ----------------------------------------------
 
 # RabbitMQ 4.x records `x-queue-type: classic` on a classic queue declared without any
@@ -133,6 +145,7 @@ __all__ = [
     "UNKNOWN",
     "BrokerInfo",
     "Version",
+    "is_consumer_timeout",
     "normalise_queue_arguments",
     "parse_version",
 ]

@@ -94,6 +94,9 @@ class Envelope:
     due_at_ms: int | None
     target: str | None
     headers: Mapping[str, object]
+    # The quorum queue's count of failed deliveries of this copy (x-delivery-count: on 4.3
+    # rejects and lost channels, before 4.3 every requeue); 0 when absent.
+    delivery_count: int = 0
 
     @classmethod
     def from_headers(cls, message_id: str | None, headers: Mapping[str, object] | None) -> Envelope:
@@ -102,6 +105,7 @@ class Envelope:
             attempt = int(headers.get(h.H_ATTEMPT, 1))  # type: ignore[call-overload]
             due = headers.get(h.H_DUE_AT)
             due_at_ms = int(due) if due is not None else None  # type: ignore[call-overload]
+            delivery_count = int(headers.get(h.DELIVERY_COUNT_HEADER, 0))  # type: ignore[call-overload]
         except (TypeError, ValueError) as exc:
             raise DecodeError(f"malformed rabbit-delay headers: {exc}") from None
         tier = headers.get(h.H_TIER)
@@ -117,6 +121,7 @@ class Envelope:
             if isinstance(target, bytes)
             else (str(target) if target is not None else None),
             headers=headers,
+            delivery_count=max(delivery_count, 0),
         )
 
     def lateness_ms(self, received_ms: int) -> int | None:

@@ -26,9 +26,16 @@ H_ORIGINAL_QUEUE = "rd-original-queue"
 H_FIRST_FAILURE = "rd-first-failure-at"
 H_LAST_FAILURE = "rd-last-failure-at"
 H_PARK_REASON = "rd-park-reason"
-# Broker-owned headers stripped before any re-publish (quorum queues count redeliveries
-# in x-delivery-count).
-BROKER_HEADER_PREFIXES = ("x-death", "x-first-death-", "x-last-death-", "x-delivery-count")
+# Broker-owned headers stripped before any re-publish (quorum queues count failed
+# deliveries in x-delivery-count and, from 4.3, every hand-out in x-acquired-count).
+DELIVERY_COUNT_HEADER = "x-delivery-count"
+BROKER_HEADER_PREFIXES = (
+    "x-death",
+    "x-first-death-",
+    "x-last-death-",
+    DELIVERY_COUNT_HEADER,
+    "x-acquired-count",
+)
 # The delayed-message plugin's delay header (milliseconds).
 H_PLUGIN_DELAY = "x-delay"
 

@@ -18,7 +18,7 @@ from typing import TypedDict
 
 from rabbit_delay.broker import UNKNOWN, BrokerInfo, normalise_queue_arguments
 from rabbit_delay.errors import ArgumentConflict, DeclarationConflict, IncompatibleBroker
-from rabbit_delay.topology import QueueType, Topology
+from rabbit_delay.topology import QueueType, RetryBackend, RetryPolicy, Topology
 
 # A broker without the delayed-message plugin refuses the exchange type: 3.x closes the
 # whole connection (503 COMMAND_INVALID), 4.x only the channel (406 PRECONDITION_FAILED);
@@ -136,6 +136,21 @@ def _plain_queue_args(topology: Topology) -> dict[str, object]:
     return {}
 
 
+# RabbitMQ 4.3+ quorum queue delayed retry: a requeued message comes back after
+# min(min x x-delivery-count, max). Type "failed": only failed deliveries wait (basic.reject,
+# a lost channel), so a nack (a delivery handed back unstarted at shutdown, or during an
+# idempotency store outage) comes back at once and, on 4.3, uncounted.
+DELAYED_RETRY_TYPE = "x-delayed-retry-type"
+
+
+def _delayed_retry_args(retry: RetryPolicy) -> dict[str, object]:
+    assert retry.min is not None  # RetryPolicy validates it for backend "broker"
+    args: dict[str, object] = {DELAYED_RETRY_TYPE: "failed", "x-delayed-retry-min": retry.min}
+    if retry.max is not None:
+        args["x-delayed-retry-max"] = retry.max
+    return args
+
+
 def desired(topology: Topology) -> Desired:
     """Every exchange, queue and binding the topology needs, with its arguments."""
     n = topology.names
@@ -164,6 +179,8 @@ def desired(topology: Topology) -> Desired:
         args["x-dead-letter-routing-key"] = n.queue_key(queue)
         if topology.queue_type is QueueType.QUORUM:
             args["x-delivery-limit"] = cfg.delivery_limit
+        if cfg.retry.backend is RetryBackend.BROKER:  # quorum only (Topology validates it)
+            args |= _delayed_retry_args(cfg.retry)
         queues.append(QueueSpec(name, args))
         queues.append(QueueSpec(n.parking_queue(queue), _plain_queue_args(topology)))
         for key in (n.queue_key(queue), *cfg.bindings):
@@ -403,12 +420,6 @@ class RoutesEveryKey:
     exchange: str
     due: str | None
 
-    kind = Kind.EXCHANGE
-
-    @property
-    def name(self) -> str:
-        return self.exchange
-
 
 Operation = Exists | Declare | Bind | SupportsType | RoutesEveryKey
 
@@ -438,6 +449,14 @@ def broker_requirements(want: Desired, broker: BrokerInfo) -> list[str]:
             f"{broker.describe()}: RabbitMQ 4.3 removed Mnesia, which the plugin stores its "
             "messages in (the plugin was archived in January 2026). Replace the [plugin] table "
             "with [cascade] (plugin-free, replicated) and declare it as a new topology `version`"
+        )
+    native = [q.name for q in want.queues if DELAYED_RETRY_TYPE in q.arguments]
+    if native and not broker.supports_delayed_retry:
+        reasons.append(
+            f'retry backend = "broker" (queue {", ".join(native)}) needs quorum queue delayed '
+            f"retry (x-delayed-retry-*), which RabbitMQ added in 4.3; {broker.describe()} does "
+            'not have it. Retry through the tiers (backend = "tiers", the default) on this '
+            "broker, or upgrade it to 4.3+"
         )
     return reasons
 

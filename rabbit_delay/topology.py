@@ -67,23 +67,71 @@ class Backoff(_Model):
         return int(min(self.max, self.initial * self.factor ** (retry_number - 1)))
 
 
+class RetryBackend(StrEnum):
+    """Who waits out a retry's delay.
+
+    TIERS (the default): the worker re-publishes a copy through the delay tiers (or the
+    cascade / plugin for `backoff`), confirmed, then acks the original; any broker.
+    BROKER: the worker requeues the delivery (basic.reject) and the quorum queue holds it
+    back itself (RabbitMQ 4.3+ delayed retry, `x-delayed-retry-*`): no re-publish.
+    """
+
+    TIERS = "tiers"
+    BROKER = "broker"
+
+
+PositiveDuration = Annotated[Duration, Field(gt=0, le=MAX_TTL_MS)]
+
+
 class RetryPolicy(_Model):
     """How a failed message is tried again.
 
-    `max_attempts` counts every delivery attempt, the first included. Retry n waits
-    `tiers[n-1]` (the last tier repeats), or the exponential `backoff` when set.
-    With neither, the topology's shortest tier is used.
+    `max_attempts` counts every delivery attempt, the first included. With the `tiers`
+    backend, retry n waits `tiers[n-1]` (the last tier repeats), or the exponential
+    `backoff` when set; with neither, the topology's shortest tier. With the `broker`
+    backend, retry n waits min(`min` x n, `max`) in the queue itself (RabbitMQ 4.3+).
     """
 
     max_attempts: int = Field(default=3, ge=1, le=1000)
+    backend: RetryBackend = RetryBackend.TIERS
     tiers: tuple[TierName, ...] = ()
     backoff: Backoff | None = None
+    min: PositiveDuration | None = None  # backend "broker": x-delayed-retry-min
+    max: PositiveDuration | None = None  # backend "broker": x-delayed-retry-max (no cap if unset)
 
     @model_validator(mode="after")
     def _one_schedule(self) -> RetryPolicy:
+        if self.backend is RetryBackend.BROKER:
+            if self.tiers or self.backoff is not None:
+                raise ValueError(
+                    'backend = "broker" waits in the queue itself: remove `tiers`/`backoff` '
+                    '(they belong to backend = "tiers"), give `min` (and `max`)'
+                )
+            if self.min is None:
+                raise ValueError(
+                    'backend = "broker" needs `min`, the delay of the first retry (retry n '
+                    'waits min x n, capped by `max`), e.g. min = "1s", max = "5m"'
+                )
+            if self.max is not None and self.max < self.min:
+                raise ValueError(
+                    f"`max` ({format_ms(self.max)}) must be at least `min` ({format_ms(self.min)})"
+                )
+            return self
+        if self.min is not None or self.max is not None:
+            raise ValueError(
+                '`min`/`max` belong to backend = "broker" (RabbitMQ 4.3+ delayed retry); '
+                'backend = "tiers" (the default) takes `tiers` or `backoff`'
+            )
         if self.tiers and self.backoff is not None:
             raise ValueError("give either `tiers` or `backoff`, not both")
         return self
+
+    def broker_delay_ms(self, delivery_count: int) -> int:
+        """Backend "broker": how long the queue holds a message back after the failure
+        that brought its x-delivery-count to `delivery_count`: min(min x count, max)."""
+        assert self.min is not None
+        delay = self.min * max(delivery_count, 1)
+        return delay if self.max is None else min(delay, self.max)
 
 
 class QueueConfig(_Model):
@@ -97,6 +145,20 @@ class QueueConfig(_Model):
     delivery_limit: int = Field(default=10, ge=1, le=10_000)
     # Short name used in cascade routing keys, which are limited to 255 bytes.
     alias: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,32}$")] | None = None
+
+    @model_validator(mode="after")
+    def _limit_fits_retries(self) -> QueueConfig:
+        retry = self.retry
+        if retry.backend is RetryBackend.BROKER and self.delivery_limit < retry.max_attempts:
+            # Every broker retry is a counted delivery: below max_attempts, the broker would
+            # dead-letter the message before its last attempt, without the failure headers.
+            raise ValueError(
+                f"delivery_limit ({self.delivery_limit}) must be at least retry.max_attempts "
+                f'({retry.max_attempts}) with retry backend = "broker": each retry counts as a '
+                "delivery, and the broker would dead-letter the message before the worker's "
+                "last attempt parks it with the reason"
+            )
+        return self
 
 
 class CascadeConfig(_Model):
@@ -168,6 +230,11 @@ class Topology(_Model):
                         raise ValueError(
                             f"queues.{queue}.{field}: unknown tier {tier!r}; tiers are {known}"
                         )
+            if cfg.retry.backend is RetryBackend.BROKER and self.queue_type is not QueueType.QUORUM:
+                raise ValueError(
+                    f'queues.{queue}.retry.backend = "broker" needs quorum queues: only they delay '
+                    'a requeued message (queue_type = "quorum", or backend = "tiers")'
+                )
             if cfg.retry.backoff is not None and self.cascade is None and self.plugin is None:
                 raise ValueError(
                     f"queues.{queue}.retry.backoff needs exact delays: add a [cascade] "

@@ -1,4 +1,4 @@
-"""benchmarks/bench_publish.py --quick --json runs and reports every figure.
+"""benchmarks/bench_publish.py and bench_retry.py --quick --json run and report every figure.
 
 Only the structure is checked: ratios on a shared 2-core machine are the benchmark's
 business, never a test's (STYLE: no tight timing in tests).
@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from rabbit_delay.broker import BrokerInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks" / "bench_publish.py"
@@ -62,4 +64,40 @@ def test_bench_publish_quick_json(broker_url: str) -> None:
     assert lateness["received"] == lateness["sent"] > 0
     assert lateness["early"] == 0, "a message arrived before its rd-due-at"
     assert 0 <= lateness["p50_ms"] <= lateness["p99_ms"] <= lateness["max_ms"]
+    assert "guest:guest@" not in proc.stdout + proc.stderr, "the broker password must be redacted"
+
+
+RETRY_BENCH = ROOT / "benchmarks" / "bench_retry.py"
+
+
+@pytest.mark.timeout(150)
+def test_bench_retry_quick_json(broker_url: str, broker_info: BrokerInfo) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(RETRY_BENCH), "--quick", "--json", "--url", broker_url],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    )
+    result = json.loads(proc.stdout)
+    assert result["errors"] == []  # every message attempted max_attempts times, then parked
+    native = broker_info.supports_delayed_retry
+    assert set(result["results"]) == ({"tiers", "broker"} if native else {"tiers"})
+    assert result["not_measured"] == ([] if native else ["broker"])
+    tiers = result["results"]["tiers"]
+    # Exact counts, not timings: a tier retry is a publish and an ack of the original.
+    assert tiers["ops_per_retry"] == 2
+    assert tiers["ops_per_message"]["publish (retry)"] == result["max_attempts"] - 1
+    if native:
+        broker = result["results"]["broker"]
+        assert broker["ops_per_retry"] == 1  # one basic.reject, the queue does the rest
+        assert broker["ops_per_message"]["reject (requeue)"] == result["max_attempts"] - 1
+        assert "publish (retry)" not in broker["ops_per_message"]
+    for row in result["results"].values():
+        assert row["retries_per_s"] > 0
+        assert len(row["samples_retries_per_s"]) == result["rounds"]
     assert "guest:guest@" not in proc.stdout + proc.stderr, "the broker password must be redacted"

@@ -5,7 +5,10 @@ underlying aiormq channel (as AsyncPublisher publishes on it), which hands each
 delivery to one task with its channel attached. Each delivery is acked, nacked or
 rejected on *that* channel object: after a lost connection the old channel refuses
 (ChannelInvalidStateError), so a delivery tag never reaches another channel. The
-broker redelivers such a message; the idempotency guard knows if its handler ran.
+broker redelivers such a message; the idempotency guard knows if its handler ran. A
+consumer the broker cancels (RabbitMQ 4.3 does so for a quorum consumer over
+`consumer_timeout`, where older versions close the channel) is consumed again on the
+same channel; the results of its deliveries are dropped the same way.
 
 `async def` handlers run on the event loop; plain `def` handlers run in a thread pool
 of `concurrency` threads, so a blocking handler does not stall the loop.
@@ -34,19 +37,22 @@ import aiormq.exceptions
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from aiormq.abc import AbstractChannel as RawChannel
 from aiormq.abc import DeliveredMessage
+from pamqp.commands import Basic
 
+from rabbit_delay.aio._connection import broker_info
 from rabbit_delay.aio.declarer import declare as declare_topology
 from rabbit_delay.aio.publisher import AsyncPublisher
+from rabbit_delay.broker import UNKNOWN, BrokerInfo
 from rabbit_delay.consumer import (
     Ack,
     Action,
     App,
+    BrokerRetry,
     Consumer,
     Outcome,
     Park,
     Prepared,
     Republish,
-    RepublishReason,
     Requeue,
     Skip,
     Transport,
@@ -54,7 +60,7 @@ from rabbit_delay.consumer import (
 )
 from rabbit_delay.consumer._acks import AckTracker
 from rabbit_delay.consumer._context import clock_ms as now_ms
-from rabbit_delay.consumer._stats import log_action
+from rabbit_delay.consumer._stats import log_action, log_connection_lost, log_consumer_cancelled
 from rabbit_delay.consumer._worker_base import WorkerBase, WorkerSettings
 from rabbit_delay.errors import (
     BrokerError,
@@ -106,7 +112,10 @@ class AsyncWorker(WorkerBase):
         self._channel: AbstractChannel | None = None
         self._raw: RawChannel | None = None
         self._publisher: AsyncPublisher | None = None
-        self._consumer_tags: list[str] = []
+        self._broker: BrokerInfo = UNKNOWN  # the connected broker's version rules
+        self._lost_reason = ""
+        self._by_tag: dict[str, Consumer] = {}  # current consumer tags -> their consumer
+        self._cancelled: set[str] = set()  # consumer tags the broker cancelled
         self._sem = asyncio.Semaphore(self.concurrency)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._idle: asyncio.Event | None = None
@@ -116,6 +125,7 @@ class AsyncWorker(WorkerBase):
         self._executor: ThreadPoolExecutor | None = None
         self._to_flush: dict[AckTracker, RawChannel] = {}
         self._ack_writes: set[asyncio.Future[None]] = set()
+        self._ack_order = asyncio.Lock()  # ack frames reach the wire in flush order
 
     # -- public ------------------------------------------------------------------------
 
@@ -163,7 +173,7 @@ class AsyncWorker(WorkerBase):
                     w.cancel()
                 if self._stop.is_set():
                     break
-                log.warning("connection lost; reconnecting")
+                log_connection_lost(self._lost_reason, self._queue_names())
                 self.stats.reconnects += 1
                 self.started.clear()
                 await self._close_connection()
@@ -186,14 +196,18 @@ class AsyncWorker(WorkerBase):
 
     # -- connection --------------------------------------------------------------------
 
+    def _queue_names(self) -> list[str]:
+        names = self.app.topology.names
+        return [names.business_queue(c.queue) for c in self.consumers]
+
     async def _open(self) -> None:
         connection = await _connect(self.url, self.name)
         try:
+            broker = broker_info(connection)
+            self.check_broker(broker)
             if self.declare:
                 await declare_topology(connection, self.app.topology)
-            names = self.app.topology.names
-            queue_names = [names.business_queue(c.queue) for c in self.consumers]
-            for queue_name in queue_names:
+            for queue_name in self._queue_names():
                 await _check_queue(connection, queue_name)
             channel = await connection.channel(publisher_confirms=False)
             await channel.set_qos(prefetch_count=self.prefetch)
@@ -201,25 +215,69 @@ class AsyncWorker(WorkerBase):
             publisher = AsyncPublisher(self.app.topology, connection)
             await publisher.open()
             lost = asyncio.Event()
-            connection.close_callbacks.add(lambda *_: lost.set())
-            channel.close_callbacks.add(lambda *_: lost.set())
+
+            def on_close(_sender: object = None, exc: BaseException | None = None) -> None:
+                # The first reason wins (the channel's, when the broker closed it).
+                if not lost.is_set():
+                    self._lost_reason = redact(repr(exc)) if exc is not None else "closed"
+                lost.set()
+
+            connection.close_callbacks.add(on_close)
+            channel.close_callbacks.add(on_close)
+            tracker = AckTracker()  # one per channel: tags never outlive their channel
+            raw.on_consumer_cancel_callbacks.add(partial(self._on_cancel, raw, tracker))
             # In place before the first delivery can arrive.
             self._connection, self._channel, self._raw = connection, channel, raw
-            self._publisher, self._lost = publisher, lost
-            tracker = AckTracker()  # one per channel: tags never outlive their channel
-            tags = []
-            for consumer, queue_name in zip(self.consumers, queue_names, strict=True):
-                ok = await raw.basic_consume(
-                    queue_name, partial(self._on_delivery, consumer, tracker), no_ack=False
-                )
-                tags.append(str(ok.consumer_tag))
+            self._publisher, self._lost, self._broker = publisher, lost, broker
+            self._by_tag, self._cancelled = {}, set()
+            for consumer in self.consumers:
+                await self._consume(raw, tracker, consumer)
         except BaseException:
             self._connection = self._channel = self._raw = self._publisher = None
             with contextlib.suppress(Exception):
                 await connection.close()
             raise
-        self._consumer_tags = tags
         self.started.set()
+
+    async def _consume(self, raw: RawChannel, tracker: AckTracker, consumer: Consumer) -> str:
+        queue_name = self.app.topology.names.business_queue(consumer.queue)
+        ok = await raw.basic_consume(
+            queue_name, partial(self._on_delivery, consumer, tracker), no_ack=False
+        )
+        tag = str(ok.consumer_tag)
+        self._by_tag[tag] = consumer
+        return tag
+
+    def _on_cancel(self, raw: RawChannel, tracker: AckTracker, frame: Basic.Cancel) -> None:
+        """basic.cancel from the broker: drop that consumer's deliveries, consume again."""
+        tag = str(frame.consumer_tag)
+        if raw is not self._raw:  # a channel we already left
+            return
+        consumer = self._by_tag.pop(tag, None)
+        if consumer is None:
+            return
+        self._cancelled.add(tag)  # its deliveries went back to the queue: never ack them
+        self.stats.consumer_cancels += 1
+        queue_name = self.app.topology.names.business_queue(consumer.queue)
+        again = not self._stopping and not self._stop_requested
+        log_consumer_cancelled(consumer.queue, queue_name, tag, self._broker, again)
+        if again:
+            task = asyncio.ensure_future(self._consume_again(raw, tracker, consumer))
+            self._tasks.add(task)
+            task.add_done_callback(self._task_done)
+
+    async def _consume_again(
+        self, raw: RawChannel, tracker: AckTracker, consumer: Consumer
+    ) -> None:
+        try:
+            tag = await self._consume(raw, tracker, consumer)
+        except _CHANNEL_GONE as exc:  # the channel went too: the reconnect consumes again
+            log.warning("%s: could not consume again (%s)", consumer.queue, redact(repr(exc)))
+            if self._lost is not None and raw is self._raw:
+                self._lost_reason = redact(repr(exc))
+                self._lost.set()
+            return
+        log.info("%s: consuming again (consumer tag %s)", consumer.queue, tag)
 
     async def _reconnect(self) -> None:
         assert self._stop is not None
@@ -250,7 +308,7 @@ class AsyncWorker(WorkerBase):
         assert idle is not None
         try:
             if raw is not None:
-                for tag in self._consumer_tags:
+                for tag in list(self._by_tag):
                     await raw.basic_cancel(tag)
         except _CHANNEL_GONE as exc:
             log.warning("connection lost during shutdown (%s)", redact(repr(exc)))
@@ -301,11 +359,21 @@ class AsyncWorker(WorkerBase):
     ) -> None:
         self.stats.received += 1
         channel = message.channel
+        ctag = str(message.delivery.consumer_tag)  # type: ignore[union-attr]
+        cancelled = self._cancelled
         try:
+            if ctag in cancelled:  # its consumer is gone: redelivered to the new one
+                self.stats.stale += 1
+                tracker.settled(tag)
+                return
             if self._stopping:
                 await self._nack(channel, tracker, tag)
                 return
             async with self._sem:
+                if ctag in cancelled:  # cancelled while waiting for a slot: not started
+                    self.stats.stale += 1
+                    tracker.settled(tag)
+                    return
                 if self._stopping:  # waited for a slot past the stop: not started
                     await self._nack(channel, tracker, tag)
                     return
@@ -313,6 +381,12 @@ class AsyncWorker(WorkerBase):
                 action, attempt = await self._handle(consumer, message)
             if channel.is_closed:  # lost meanwhile: the broker redelivers it
                 self.stats.stale += 1
+                return
+            if ctag in cancelled:
+                # The broker cancelled its consumer and took the message back: it is
+                # redelivered to the new consumer; a copy or an ack now would be one too many.
+                self.stats.stale += 1
+                tracker.settled(tag)
                 return
             log_action(consumer.queue, props.message_id, attempt, action)
             self.stats.record(action)
@@ -328,7 +402,7 @@ class AsyncWorker(WorkerBase):
 
     async def _nack(self, channel: RawChannel, tracker: AckTracker, tag: int) -> None:
         """Hand one delivery back (not started, or the store failed): nack, not reject,
-        so it does not count towards a quorum queue's delivery limit."""
+        so from RabbitMQ 4.3 it does not count towards a quorum queue's delivery limit."""
         self.stats.requeued += 1
         await channel.basic_nack(tag, multiple=False, requeue=True)
         tracker.settled(tag)
@@ -351,9 +425,14 @@ class AsyncWorker(WorkerBase):
                 task.add_done_callback(self._ack_writes.discard)
 
     async def _write_acks(self, channel: RawChannel, frames: list[tuple[int, bool]]) -> None:
+        # One flush at a time, in order: a later flush's multiple-ack assumes the single
+        # acks of the earlier ones are on the wire; overtaking them would settle those
+        # tags first, and their own acks would then close the channel (406 unknown
+        # delivery tag), losing every unacked delivery of the channel.
         try:
-            for tag, multiple in frames:
-                await channel.basic_ack(tag, multiple=multiple)
+            async with self._ack_order:
+                for tag, multiple in frames:
+                    await channel.basic_ack(tag, multiple=multiple)
         except _CHANNEL_GONE:
             log.debug("acks lost with their channel; the broker redelivers those messages")
 
@@ -377,16 +456,16 @@ class AsyncWorker(WorkerBase):
         guard = self._guard
         if key is None or guard is None:
             outcome = await self._call(consumer, prepared)
-            return consumer.finish(prepared, outcome, now_ms()), attempt
+            return consumer.finish(prepared, outcome, now_ms(), self._broker), attempt
         owner = f"{self.identity}:{next(self._seq)}"
         try:
             claim = await guard.claim(key, owner)
         except Exception as exc:
             log.error("%s: idempotency store failed on claim: %r", consumer.queue, exc)
             await asyncio.sleep(STORE_PAUSE_S)
-            return consumer.finish(prepared, Unavailable(exc), now_ms()), attempt
+            return consumer.finish(prepared, Unavailable(exc), now_ms(), self._broker), attempt
         if claim is not ClaimResult.CLAIMED:
-            return consumer.finish(prepared, claim, now_ms()), attempt
+            return consumer.finish(prepared, claim, now_ms(), self._broker), attempt
         claims = self._claims
         claims[owner] = key
         try:
@@ -407,7 +486,7 @@ class AsyncWorker(WorkerBase):
         except Exception as exc:
             # The handler's outcome stands; a duplicate may run again after the lease.
             log.error("%s: idempotency store failed after the handler: %r", consumer.queue, exc)
-        return consumer.finish(prepared, outcome, now_ms()), attempt
+        return consumer.finish(prepared, outcome, now_ms(), self._broker), attempt
 
     async def _forget_claim(self, owner: str) -> None:
         renewing = self._renewing
@@ -452,14 +531,19 @@ class AsyncWorker(WorkerBase):
                 raise aiormq.exceptions.ChannelInvalidStateError("channel closed")
             if await self._publish(action):
                 self._ack(channel, tracker, tag)  # only once the new copy is confirmed
-            elif isinstance(action, Republish) and action.reason is RepublishReason.DEFER:
+            elif isinstance(action, Republish) and action.requeue_if_unsent:
                 await self._nack(channel, tracker, tag)
             else:
                 # The broker dead-letters it into the parking exchange (reason rejected):
                 # visible, and no hot loop of redeliveries.
                 await channel.basic_reject(tag, requeue=False)
                 tracker.settled(tag)
-        else:  # Requeue: the idempotency store failed
+        elif isinstance(action, BrokerRetry):
+            # Counted towards the delivery limit and held back by the queue (4.3+ delayed
+            # retry); the count is the next attempt's number.
+            await channel.basic_reject(tag, requeue=True)
+            tracker.settled(tag)
+        else:  # Requeue: the idempotency store failed (4.3+)
             assert isinstance(action, Requeue)
             await self._nack(channel, tracker, tag)
 

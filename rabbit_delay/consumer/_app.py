@@ -22,6 +22,7 @@ from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel, TypeAdapter
 
+from rabbit_delay.broker import UNKNOWN, BrokerInfo
 from rabbit_delay.consumer._context import HandlerContext, clock_ms
 from rabbit_delay.consumer._decide import (
     Action,
@@ -135,7 +136,7 @@ class Consumer:
     ) -> Prepared | Action:
         """Decode one delivery. Returns what to run, or the Park action for a poison message."""
         try:
-            env = Envelope.from_headers(message_id, headers)
+            env = self.policy.envelope(message_id, headers)
         except DecodeError as exc:
             env = Envelope(message_id, 1, None, None, None, headers or {})
             bad = Undecodable.from_exception(exc)
@@ -164,8 +165,11 @@ class Consumer:
             env, self.policy, outcome, body=body, content_type=content_type, now_ms=now_ms
         )
 
-    def finish(self, prepared: Prepared, outcome: Outcome, now_ms: int) -> Action:
-        """The action once the handler (or the claim) produced `outcome`."""
+    def finish(
+        self, prepared: Prepared, outcome: Outcome, now_ms: int, broker: BrokerInfo = UNKNOWN
+    ) -> Action:
+        """The action once the handler (or the claim) produced `outcome`, under the
+        version rules of `broker` (the worker's connection's)."""
         return decide(
             prepared.ctx.envelope,
             self.policy,
@@ -173,6 +177,7 @@ class Consumer:
             body=prepared.body,
             content_type=prepared.content_type,
             now_ms=now_ms,
+            broker=broker,
         )
 
 

@@ -19,8 +19,10 @@ def clock_ms() -> int:
 class HandlerContext:
     """One delivery, as the handler sees it (the second argument of a handler).
 
-    `attempt` is 1 for the first delivery and grows by one per retry; `max_attempts`
-    is the queue's limit, so `ctx.attempt == ctx.max_attempts` is the last try.
+    `attempt` is 1 for the first delivery and grows by one per retry (with retry backend
+    "broker", also per delivery lost with a crashed worker: the queue counts those too);
+    `max_attempts` is the queue's limit, so `ctx.attempt == ctx.max_attempts` is the
+    last try.
     `redelivered` is the broker's flag: the message may have been handed out before
     (a worker died or lost its connection), so the handler may have run already.
     """

@@ -11,30 +11,41 @@ attempts, tiers, parking or headers is written anywhere else.
     ClaimResult.IN_PROGRESS          Republish(defer)    same attempt, shortest tier
     Undecodable                      Park(decode_error | validation_error)
     Reject                           Park(rejected)
-    Retry / any other exception      Republish(retry) with attempt + 1, or, after the
-                                     queue's max_attempts, Park(max_attempts)
-    Unavailable (store failure)      Requeue             basic.reject(requeue=True)
+    Retry / any other exception      retry backend "tiers": Republish(retry) with
+                                     attempt + 1; backend "broker": BrokerRetry
+                                     (basic.reject(requeue=True), the queue delays it);
+                                     after the queue's max_attempts, Park(max_attempts)
+    Unavailable (store failure)      where the broker counts a nack-requeue towards the
+                                     delivery limit (before 4.3, or unknown):
+                                     Republish(store_unavailable), same attempt, shortest
+                                     tier; from 4.3: Requeue (basic.nack(requeue=True))
 
 Republish and Park are executed the same way: publish the prepared `Outgoing`
 (confirmed; mandatory where the route allows) and only then ack the original.
+
+The broker's version rules come in as a `BrokerInfo`, read once per connection by the
+worker: no driver compares versions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
 from pydantic import ValidationError
 
 from rabbit_delay import names as h
+from rabbit_delay.broker import UNKNOWN, BrokerInfo
 from rabbit_delay.consumer._signals import Reject, Retry
 from rabbit_delay.delays import Route, Router
 from rabbit_delay.errors import ConfigError, DelayError, UnknownTargetError
 from rabbit_delay.idempotency import ClaimResult
 from rabbit_delay.message import BINARY, Envelope, Outgoing, new_message_id, strip_broker_headers
 from rabbit_delay.publishing import PublisherCore
-from rabbit_delay.topology import Topology
+from rabbit_delay.topology import RetryBackend, Topology
 
 # Header budget: AMQP headers travel in one frame (frame_max, 128 KiB by default).
 MAX_ERROR_MESSAGE = 1_000
@@ -59,6 +70,9 @@ class SkipReason(StrEnum):
 class RepublishReason(StrEnum):
     RETRY = "retry"  # the handler failed; try again later
     DEFER = "defer"  # a copy is being handled right now; look again later
+    # The idempotency store failed, on a broker that counts a nack-requeue towards the
+    # delivery limit: a copy through the shortest tier, so an outage parks nothing.
+    UNAVAILABLE = "store_unavailable"
 
 
 # -- outcomes ---------------------------------------------------------------------------
@@ -117,6 +131,12 @@ class Republish:
     attempt: int  # the attempt number the new copy carries
     error: str | None = None  # "Type: message" of the failure, for the log
 
+    @property
+    def requeue_if_unsent(self) -> bool:
+        """When the copy cannot be published, hand the original back (nack) instead of
+        dead-lettering it: a defer or a store outage is no fault of the message."""
+        return self.reason is not RepublishReason.RETRY
+
 
 @dataclass(frozen=True, slots=True)
 class Park:
@@ -128,13 +148,25 @@ class Park:
 
 
 @dataclass(frozen=True, slots=True)
+class BrokerRetry:
+    """basic.reject(requeue=True), one delivery, on a queue with retry backend "broker":
+    the quorum queue (RabbitMQ 4.3+ delayed retry) hands it out again after `delay_ms`;
+    the reject counts towards its delivery limit, and the count is the attempt."""
+
+    attempt: int  # the attempt number the redelivery will carry
+    delay_ms: int  # what the broker waits: min(min x x-delivery-count, max)
+    error: str  # "Type: message" of the failure, for the log
+
+
+@dataclass(frozen=True, slots=True)
 class Requeue:
-    """basic.reject(requeue=True), one delivery: let the broker hand it out again."""
+    """basic.nack(requeue=True), one delivery: let the broker hand it out again at once.
+    Counts towards a quorum queue's delivery limit before RabbitMQ 4.3, not from 4.3."""
 
     error: str
 
 
-Action = Ack | Skip | Republish | Park | Requeue
+Action = Ack | Skip | Republish | Park | BrokerRetry | Requeue
 
 ACK = Ack()
 SKIP_DUPLICATE = Skip(SkipReason.DUPLICATE)
@@ -159,8 +191,10 @@ class QueuePolicy:
         "defer_route",
         "key",
         "max_attempts",
+        "native",
         "parking_exchange",
         "queue",
+        "retry",
         "retry_routes",
         "router",
     )
@@ -178,6 +212,9 @@ class QueuePolicy:
         self.key = names.queue_key(queue)
         self.parking_exchange = names.parking_exchange()
         self.max_attempts = cfg.retry.max_attempts
+        self.retry = cfg.retry
+        # Backend "broker": a retry is a requeue of the same copy, delayed by the queue.
+        self.native = cfg.retry.backend is RetryBackend.BROKER
         try:
             backoff = cfg.retry.backoff
             if backoff is not None:
@@ -193,18 +230,49 @@ class QueuePolicy:
             raise ConfigError(f"queues.{queue}.retry: {exc}") from None
 
     def retry_route(self, retry_number: int) -> Route:
-        """Route of retry `retry_number` (1 = first retry); the last one repeats."""
+        """Route of retry `retry_number` (1 = first retry) through the tiers (or the
+        cascade / plugin for a backoff); the last one repeats."""
         routes = self.retry_routes
         return routes[min(retry_number, len(routes)) - 1]
 
-    def requested_route(self, signal: Retry, retry_number: int) -> tuple[Route, str | None]:
-        """The route a `Retry(tier=..., delay=...)` asks for, or the scheduled one and why."""
+    def scheduled_route(self, retry_number: int) -> Route | None:
+        """Where the policy sends retry `retry_number`; None: the broker delays it."""
+        return None if self.native else self.retry_route(retry_number)
+
+    def requested_route(self, signal: Retry, retry_number: int) -> tuple[Route | None, str | None]:
+        """The route a `Retry(tier=..., delay=...)` asks for (a re-published copy, on
+        either backend), or the scheduled one and why."""
         if signal.tier is None and signal.delay_ms is None:
-            return self.retry_route(retry_number), None
+            return self.scheduled_route(retry_number), None
         try:
             return self.router.resolve(self.key, tier=signal.tier, delay_ms=signal.delay_ms), None
         except (DelayError, UnknownTargetError) as exc:
-            return self.retry_route(retry_number), f"requested retry delay refused ({exc})"
+            return self.scheduled_route(retry_number), f"requested retry delay refused ({exc})"
+
+    def envelope(self, message_id: str | None, headers: Mapping[str, object] | None) -> Envelope:
+        """A delivery's envelope, its attempt counted the way this queue retries.
+
+        Backend "broker": a retry is the same copy requeued, so the attempt is rd-attempt
+        (1, or what a re-published copy carries) plus the queue's x-delivery-count; a lost
+        channel counts as an attempt too, as it does for the broker's delivery limit.
+        Raises DecodeError for malformed headers.
+        """
+        env = Envelope.from_headers(message_id, headers)
+        if self.native and env.delivery_count:
+            return dataclasses.replace(env, attempt=env.attempt + env.delivery_count)
+        return env
+
+    def first_failure_ms(self, env: Envelope, now_ms: int) -> int:
+        """When the message first failed, for a message whose headers do not say.
+
+        Backend "broker": a requeue cannot carry headers, so it is derived from the
+        delays the queue waited since (one per x-delivery-count): the latest the first
+        failure can have been (the broker never redelivers early). Otherwise: now.
+        """
+        if not self.native or not env.delivery_count:
+            return now_ms
+        waited = sum(self.retry.broker_delay_ms(n) for n in range(1, env.delivery_count + 1))
+        return now_ms - waited
 
 
 # -- the decision -----------------------------------------------------------------------
@@ -234,10 +302,11 @@ def format_traceback(exc: BaseException) -> str:
 
 
 def _failure_headers(
-    env: Envelope, now_ms: int, error_type: str, message: str
+    env: Envelope, policy: QueuePolicy, now_ms: int, error_type: str, message: str
 ) -> dict[str, object]:
     headers = strip_broker_headers(env.headers)
-    headers.setdefault(h.H_FIRST_FAILURE, now_ms)
+    if h.H_FIRST_FAILURE not in headers:
+        headers[h.H_FIRST_FAILURE] = policy.first_failure_ms(env, now_ms)
     headers[h.H_LAST_FAILURE] = now_ms
     headers[h.H_ERROR_TYPE] = error_type
     headers[h.H_ERROR_MESSAGE] = _truncate(message, MAX_ERROR_MESSAGE)
@@ -256,7 +325,7 @@ def _park(
     content_type: str | None,
     now_ms: int,
 ) -> Park:
-    headers = _failure_headers(env, now_ms, error_type, message)
+    headers = _failure_headers(env, policy, now_ms, error_type, message)
     if trace:
         headers[h.H_ERROR_TRACEBACK] = trace
     headers[h.H_ORIGINAL_QUEUE] = policy.queue
@@ -275,6 +344,30 @@ def _park(
     return Park(out, reason, f"{error_type}: {_truncate(message, 200)}")
 
 
+def _same_attempt(
+    env: Envelope,
+    policy: QueuePolicy,
+    reason: RepublishReason,
+    body: bytes,
+    content_type: str | None,
+    now_ms: int,
+    error: str | None = None,
+) -> Republish:
+    """A copy through the shortest tier with the same attempt, message_id and headers
+    (the broker's stripped): it comes back after that tier, uncounted by any broker."""
+    headers = strip_broker_headers(env.headers)
+    out = PublisherCore.outgoing(
+        policy.defer_route,
+        body,
+        content_type or BINARY,
+        now_ms,
+        env.message_id,
+        headers,
+        env.attempt,
+    )
+    return Republish(out, reason, env.attempt, error)
+
+
 def decide(
     env: Envelope,
     policy: QueuePolicy,
@@ -283,8 +376,12 @@ def decide(
     body: bytes,
     content_type: str | None,
     now_ms: int,
+    broker: BrokerInfo = UNKNOWN,
 ) -> Action:
     """The action for one delivery. See the module docstring for the table.
+
+    `broker` is what the worker's connection said about the broker (its version rules);
+    unknown takes the conservative side.
 
     Raises ValueError for ClaimResult.CLAIMED, which is not an outcome (run the handler).
     """
@@ -300,20 +397,18 @@ def decide(
             # quorum queue every requeue counts towards x-delivery-limit): look again
             # after the shortest tier, same attempt. By then the copy is done (this one is
             # skipped) or its lease has expired (this one runs).
-            headers = strip_broker_headers(env.headers)
-            out = PublisherCore.outgoing(
-                policy.defer_route,
-                body,
-                content_type or BINARY,
-                now_ms,
-                env.message_id,
-                headers,
-                env.attempt,
-            )
-            return Republish(out, RepublishReason.DEFER, env.attempt)
+            return _same_attempt(env, policy, RepublishReason.DEFER, body, content_type, now_ms)
         raise ValueError(f"{outcome!r} is not an outcome: run the handler")
     if isinstance(outcome, Unavailable):
-        return Requeue(f"{error_type_of(outcome.error)}: {outcome.error}")
+        error = f"{error_type_of(outcome.error)}: {_truncate(str(outcome.error), 200)}"
+        if not broker.nack_requeue_counts:
+            return Requeue(error)  # 4.3+: a nack-requeue costs no delivery
+        # Before 4.3 every requeue counts: an outage longer than the delivery limit would
+        # have the broker dead-letter good messages. A copy through the shortest tier
+        # (same attempt) waits the outage out uncounted, as a deferred duplicate does.
+        return _same_attempt(
+            env, policy, RepublishReason.UNAVAILABLE, body, content_type, now_ms, error
+        )
     if isinstance(outcome, Undecodable):
         return _park(
             env,
@@ -356,12 +451,17 @@ def decide(
     if isinstance(outcome, Retry):
         route, note = policy.requested_route(outcome, env.attempt)
     else:
-        route = policy.retry_route(env.attempt)
+        route = policy.scheduled_route(env.attempt)
     if note:
         message = f"{message}; {note}"
-    headers = _failure_headers(env, now_ms, error_type, message)
+    summary = f"{error_type}: {_truncate(message, 200)}"
+    if route is None:
+        # The queue delays the requeued delivery itself; the reject raises its
+        # x-delivery-count, which is what the next attempt is counted from.
+        delay_ms = policy.retry.broker_delay_ms(env.delivery_count + 1)
+        return BrokerRetry(env.attempt + 1, delay_ms, summary)
+    headers = _failure_headers(env, policy, now_ms, error_type, message)
     out = PublisherCore.outgoing(
         route, body, content_type or BINARY, now_ms, env.message_id, headers, env.attempt + 1
     )
-    summary = f"{error_type}: {_truncate(message, 200)}"
     return Republish(out, RepublishReason.RETRY, env.attempt + 1, summary)

@@ -10,9 +10,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from rabbit_delay.broker import BrokerInfo, is_consumer_timeout
 from rabbit_delay.consumer._decide import (
     Ack,
     Action,
+    BrokerRetry,
     Park,
     ParkReason,
     Republish,
@@ -44,15 +46,16 @@ class WorkerStats:
 
     received: int = 0
     acked: int = 0  # handler succeeded
-    retried: int = 0  # re-published through a delay tier for another attempt
-    deferred: int = 0  # a copy was in progress elsewhere: re-published, same attempt
+    retried: int = 0  # another attempt: re-published through a tier, or requeued (backend broker)
+    deferred: int = 0  # in progress elsewhere, or the store failed: re-published, same attempt
     parked: int = 0
     duplicates: int = 0  # already done: acked, not run
     cancelled: int = 0  # tombstoned: acked, not run
     requeued: int = 0  # idempotency store failed, or not started at shutdown: nacked
     publish_failures: int = 0  # a retry/park publish failed: rejected to the broker's DLX
-    stale: int = 0  # finished after its channel was lost: not acked (redelivered)
+    stale: int = 0  # finished after its channel or consumer was lost: not acked (redelivered)
     reconnects: int = 0
+    consumer_cancels: int = 0  # the broker cancelled a consumer (4.3 consumer timeout): re-consumed
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -72,6 +75,8 @@ class WorkerStats:
                 self.deferred += 1
         elif isinstance(action, Park):
             self.parked += 1
+        elif isinstance(action, BrokerRetry):
+            self.retried += 1
         elif isinstance(action, Requeue):
             self.requeued += 1
 
@@ -87,6 +92,7 @@ class WorkerMetrics:
             Ack: Outcome.SUCCESS,
             Park: Outcome.PARK,
             RepublishReason.RETRY: Outcome.RETRY,
+            BrokerRetry: Outcome.RETRY,
             RepublishReason.DEFER: Outcome.IN_PROGRESS,
             SkipReason.DUPLICATE: Outcome.DUPLICATE,
             SkipReason.CANCELLED: Outcome.CANCELLED,
@@ -103,7 +109,8 @@ class WorkerMetrics:
             self._lateness[queue] = metrics.delivery_lateness_seconds.labels(queue=queue)
 
     def handled(self, queue: str, action: Action) -> None:
-        """Count one delivery by outcome (a requeue is not an outcome: it comes back)."""
+        """Count one delivery by outcome (a requeue, or a copy re-published during a store
+        outage, is not an outcome: it comes back)."""
         key = action.reason if isinstance(action, Skip | Republish) else type(action)
         child = self._handled.get((queue, key))
         if child is not None:
@@ -138,6 +145,15 @@ def log_action(queue: str, message_id: str | None, attempt: int, action: Action)
                 tier,
                 out.headers.get(H_DELAY_MS),
             )
+        elif action.reason is RepublishReason.UNAVAILABLE:
+            log.warning(
+                "%s: %s not handled, the idempotency store failed (%s); looking again after %s "
+                "(re-published, same attempt: this broker would count a requeue)",
+                queue,
+                message_id,
+                action.error,
+                tier,
+            )
         else:
             log.info(
                 "%s: %s is being handled elsewhere; looking again after %s",
@@ -156,5 +172,49 @@ def log_action(queue: str, message_id: str | None, attempt: int, action: Action)
             action.reason.value,
             action.error,
         )
+    elif isinstance(action, BrokerRetry):
+        log.warning("%s: %s failed on attempt %d: %s", queue, message_id, attempt, action.error)
+        log.info(
+            "%s: %s requeued; the broker retries it as attempt %d after %d ms",
+            queue,
+            message_id,
+            action.attempt,
+            action.delay_ms,
+        )
     else:
         log.warning("%s: %s requeued: %s", queue, message_id, action.error)
+
+
+def log_consumer_cancelled(
+    queue: str, queue_name: str, consumer_tag: str, broker: BrokerInfo, again: bool
+) -> None:
+    """The broker sent basic.cancel for one of our consumers (both workers log this)."""
+    why = (
+        "a delivery stayed unacked longer than the broker's consumer_timeout (a handler ran "
+        "too long), or the queue was deleted"
+        if broker.cancels_timed_out_quorum_consumers
+        else "the queue was deleted, or its leader moved away"
+    )
+    log.warning(
+        "%s: the broker cancelled the consumer of queue %s (consumer tag %s): %s. Its unacked "
+        "messages go back to the queue; results of their running handlers are not acked; %s",
+        queue,
+        queue_name,
+        consumer_tag,
+        why,
+        "consuming again" if again else "stopping anyway",
+    )
+
+
+def log_connection_lost(reason: str, queue_names: Iterable[str]) -> None:
+    """The connection or the consuming channel is gone (`reason` already redacted)."""
+    if is_consumer_timeout(reason):
+        log.warning(
+            "the broker closed the channel consuming %s: a delivery stayed unacked longer than "
+            "the broker's consumer_timeout (a handler ran too long): %s. Its unacked messages go "
+            "back to the queue; reconnecting and consuming again",
+            ", ".join(queue_names),
+            reason,
+        )
+    else:
+        log.warning("connection lost (%s); reconnecting", reason)

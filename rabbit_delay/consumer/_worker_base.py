@@ -6,8 +6,10 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar, TypedDict
 
+from rabbit_delay.broker import BrokerInfo
 from rabbit_delay.consumer._app import App, Transport
 from rabbit_delay.consumer._stats import WorkerMetrics, WorkerStats, worker_identity
+from rabbit_delay.plan import check_broker, desired
 from rabbit_delay.urls import broker_url
 
 if TYPE_CHECKING:
@@ -73,3 +75,10 @@ class WorkerBase:
             WorkerMetrics(metrics, [c.queue for c in self.consumers]) if metrics else None
         )
         self.started = threading.Event()  # set once consuming (again after a reconnect)
+        self._wanted = desired(app.topology)
+
+    def check_broker(self, broker: BrokerInfo) -> None:
+        """Refuse, before consuming, a broker whose version cannot serve the topology:
+        the rules `rabbit-delay declare` applies (plan.broker_requirements), e.g. retry
+        backend "broker" before RabbitMQ 4.3. Raises IncompatibleBroker."""
+        check_broker(self._wanted, broker)

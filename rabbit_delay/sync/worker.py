@@ -10,7 +10,10 @@ the action decided by the core (`rabbit_delay.consumer.decide`) is executed.
 Delivery tags are only valid on the channel that delivered them: every delivery
 carries the generation of its channel, and a result from an older generation (the
 connection was lost meanwhile) is dropped, never acked. The broker redelivers that
-message; the idempotency guard knows whether its handler already ran.
+message; the idempotency guard knows whether its handler already ran. The same holds
+for the deliveries of a consumer the broker cancelled (RabbitMQ 4.3 cancels a quorum
+consumer over `consumer_timeout` instead of closing its channel): their results are
+dropped, and the queue is consumed again on the same channel.
 """
 
 from __future__ import annotations
@@ -31,16 +34,17 @@ import pika.exceptions
 import pika.spec
 from pika.adapters.blocking_connection import BlockingChannel
 
+from rabbit_delay.broker import UNKNOWN, BrokerInfo
 from rabbit_delay.consumer import (
     Ack,
     Action,
     App,
+    BrokerRetry,
     Consumer,
     Outcome,
     Park,
     Prepared,
     Republish,
-    RepublishReason,
     Requeue,
     Skip,
     Transport,
@@ -48,7 +52,12 @@ from rabbit_delay.consumer import (
 )
 from rabbit_delay.consumer._acks import AckTracker
 from rabbit_delay.consumer._context import clock_ms as now_ms
-from rabbit_delay.consumer._stats import WorkerMetrics, log_action
+from rabbit_delay.consumer._stats import (
+    WorkerMetrics,
+    log_action,
+    log_connection_lost,
+    log_consumer_cancelled,
+)
 from rabbit_delay.consumer._worker_base import WorkerBase, WorkerSettings
 from rabbit_delay.errors import (
     BrokerError,
@@ -58,7 +67,7 @@ from rabbit_delay.errors import (
     RabbitDelayError,
 )
 from rabbit_delay.idempotency import ClaimResult, Guard
-from rabbit_delay.sync._connection import connect
+from rabbit_delay.sync._connection import broker_info, connect
 from rabbit_delay.sync.declarer import declare as declare_topology
 from rabbit_delay.sync.publisher import Publisher
 from rabbit_delay.urls import redact
@@ -78,10 +87,11 @@ _CONNECTION_ERRORS = (
     OSError,
 )
 
-# (generation, consumer, delivery tag, redelivered, properties, body)
-_Job = tuple[int, Consumer, int, bool, pika.spec.BasicProperties, bytes]
-# (generation, consumer, delivery tag, message_id, attempt, action or None = not started)
-_Result = tuple[int, Consumer, int, str | None, int, Action | None]
+# (generation, consumer, consumer tag, delivery tag, redelivered, properties, body)
+_Job = tuple[int, Consumer, str, int, bool, pika.spec.BasicProperties, bytes]
+# (generation, consumer, consumer tag, delivery tag, message_id, attempt,
+#  action or None = not started)
+_Result = tuple[int, Consumer, str, int, str | None, int, Action | None]
 
 
 class Worker(WorkerBase):
@@ -114,7 +124,10 @@ class Worker(WorkerBase):
         self._conn: pika.BlockingConnection | None = None
         self._channel: BlockingChannel | None = None
         self._publisher: Publisher | None = None
-        self._consumer_tags: list[str] = []
+        self._broker: BrokerInfo = UNKNOWN  # the connected broker's version rules
+        self._by_tag: dict[str, Consumer] = {}  # current consumer tags -> their consumer
+        self._cancelled: set[str] = set()  # consumer tags the broker cancelled
+        self._resubscribe: list[Consumer] = []  # cancelled by the broker, to consume again
         self._tracker = AckTracker()
         self._inflight = 0  # deliveries of the current channel not yet settled
         self._jobs: SimpleQueue[_Job | None] = SimpleQueue()
@@ -153,7 +166,7 @@ class Worker(WorkerBase):
                 except _CONNECTION_ERRORS as exc:
                     if self._stop.is_set():
                         break
-                    log.warning("connection lost (%s); reconnecting", redact(repr(exc)))
+                    log_connection_lost(redact(repr(exc)), self._queue_names())
                     self._lost()
                     self._reconnect()
             if self._conn is not None:
@@ -169,37 +182,82 @@ class Worker(WorkerBase):
     # -- connection thread ---------------------------------------------------------------
 
     def _loop(self) -> None:
-        conn = self._conn
+        conn, channel = self._conn, self._channel
         assert conn is not None
+        assert channel is not None
         while not self._stop.is_set():
             conn.process_data_events(time_limit=POLL_S)
+            if channel.is_closed:
+                # pika does not raise for a channel the broker closed (before 4.3: 406 on
+                # consumer_timeout); its reason tells why.
+                reason = getattr(channel, "_closing_reason", None)
+                if isinstance(reason, pika.exceptions.ChannelClosed):
+                    raise reason
+                raise pika.exceptions.ChannelWrongStateError("the consuming channel closed")
+            if self._resubscribe:
+                self._consume_again()
             if self._results:
                 self._drain()
+
+    def _queue_names(self) -> list[str]:
+        names = self.app.topology.names
+        return [names.business_queue(c.queue) for c in self.consumers]
 
     def _open(self) -> None:
         conn = connect(self.url, name=self.name)
         try:
+            broker = broker_info(conn)
+            self.check_broker(broker)
             if self.declare:
                 declare_topology(conn, self.app.topology)
-            names = self.app.topology.names
-            queue_names = [names.business_queue(c.queue) for c in self.consumers]
+            queue_names = self._queue_names()
             for queue_name in queue_names:
                 _check_queue(conn, queue_name)
             channel = conn.channel()
             channel.basic_qos(prefetch_count=self.prefetch)
+            channel.add_on_cancel_callback(self._on_cancel)
             self._publisher = Publisher(self.app.topology, connection=conn)
-            self._conn, self._channel = conn, channel
+            self._conn, self._channel, self._broker = conn, channel, broker
             self._tracker = AckTracker()  # one per channel: tags never outlive their channel
-            self._consumer_tags = [
-                channel.basic_consume(name, partial(self._on_message, c), auto_ack=False)
-                for c, name in zip(self.consumers, queue_names, strict=True)
-            ]
+            self._cancelled, self._resubscribe, self._by_tag = set(), [], {}
+            for consumer in self.consumers:
+                self._consume(channel, consumer)
         except BaseException:
             self._conn = self._channel = self._publisher = None
             if conn.is_open:
                 _quietly(conn.close)
             raise
         self.started.set()
+
+    def _consume(self, channel: BlockingChannel, consumer: Consumer) -> str:
+        queue_name = self.app.topology.names.business_queue(consumer.queue)
+        tag: str = channel.basic_consume(
+            queue_name, partial(self._on_message, consumer), auto_ack=False
+        )
+        self._by_tag[tag] = consumer
+        return tag
+
+    def _on_cancel(self, frame: Any) -> None:
+        """basic.cancel from the broker (pika calls this while dispatching events)."""
+        tag = str(frame.method.consumer_tag)
+        consumer = self._by_tag.pop(tag, None)
+        if consumer is None:
+            return
+        self._cancelled.add(tag)  # its deliveries went back to the queue: never ack them
+        self.stats.consumer_cancels += 1
+        queue_name = self.app.topology.names.business_queue(consumer.queue)
+        again = not self._stopping and not self._stop.is_set()
+        log_consumer_cancelled(consumer.queue, queue_name, tag, self._broker, again)
+        if again:  # consumed again from the loop, outside pika's dispatch
+            self._resubscribe.append(consumer)
+
+    def _consume_again(self) -> None:
+        channel = self._channel
+        assert channel is not None
+        while self._resubscribe and not self._stopping:
+            consumer = self._resubscribe.pop(0)
+            tag = self._consume(channel, consumer)
+            log.info("%s: consuming again (consumer tag %s)", consumer.queue, tag)
 
     def _lost(self) -> None:
         self.stats.reconnects += 1
@@ -224,6 +282,7 @@ class Worker(WorkerBase):
 
     def _close_connection(self) -> None:
         conn, self._conn, self._channel, self._publisher = self._conn, None, None, None
+        self._resubscribe = []
         if conn is not None and conn.is_open:
             _quietly(conn.close)
 
@@ -234,7 +293,7 @@ class Worker(WorkerBase):
         assert channel is not None
         self._stopping = True
         try:
-            for tag in self._consumer_tags:
+            for tag in list(self._by_tag):
                 channel.basic_cancel(tag)
             deadline = time.monotonic() + self.shutdown_timeout
             while self._inflight > 0 and time.monotonic() < deadline:
@@ -266,7 +325,8 @@ class Worker(WorkerBase):
         tag: int = method.delivery_tag
         self._tracker.delivered(tag)
         redelivered = bool(method.redelivered)
-        self._jobs.put((self._gen, consumer, tag, redelivered, props, body))
+        ctag = str(method.consumer_tag)
+        self._jobs.put((self._gen, consumer, ctag, tag, redelivered, props, body))
 
     def _wake(self) -> None:
         conn = self._conn
@@ -282,11 +342,17 @@ class Worker(WorkerBase):
         self._wake_pending = False
         results = self._results
         while results:
-            gen, consumer, tag, message_id, attempt, action = results.popleft()
+            gen, consumer, ctag, tag, message_id, attempt, action = results.popleft()
             if gen != self._gen:
                 self.stats.stale += 1
                 continue
             self._inflight -= 1
+            if ctag in self._cancelled:
+                # The broker cancelled its consumer and took the message back: it is
+                # redelivered to the new consumer; a copy or an ack now would be one too many.
+                self.stats.stale += 1
+                self._tracker.settled(tag)
+                continue
             self._execute(consumer, tag, message_id, attempt, action)
         channel = self._channel
         if channel is not None:
@@ -315,19 +381,24 @@ class Worker(WorkerBase):
         elif isinstance(action, Republish | Park):
             if self._publish(action):
                 tracker.acked(tag)  # only once the new copy is confirmed
-            elif isinstance(action, Republish) and action.reason is RepublishReason.DEFER:
+            elif isinstance(action, Republish) and action.requeue_if_unsent:
                 self._nack(tag)
             else:
                 # The broker dead-letters it into the parking exchange (reason rejected):
                 # visible, and no hot loop of redeliveries.
                 channel.basic_reject(tag, requeue=False)
                 tracker.settled(tag)
-        else:  # Requeue: the idempotency store failed
+        elif isinstance(action, BrokerRetry):
+            # Counted towards the delivery limit and held back by the queue (4.3+ delayed
+            # retry); the count is the next attempt's number.
+            channel.basic_reject(tag, requeue=True)
+            tracker.settled(tag)
+        else:  # Requeue: the idempotency store failed (4.3+), or an unexpected error
             self._nack(tag)
 
     def _nack(self, tag: int) -> None:
         """Hand one delivery back (not started, or the store failed): nack, not reject,
-        so it does not count towards a quorum queue's delivery limit."""
+        so from RabbitMQ 4.3 it does not count towards a quorum queue's delivery limit."""
         assert self._channel is not None
         self._channel.basic_nack(tag, multiple=False, requeue=True)
         self._tracker.settled(tag)
@@ -370,19 +441,19 @@ class Worker(WorkerBase):
             job = jobs.get()
             if job is None:
                 return
-            gen, consumer, tag, redelivered, props, body = job
+            gen, consumer, ctag, tag, redelivered, props, body = job
             if gen != self._gen:
                 continue  # its channel is gone: the broker redelivers it
             action: Action | None = None
             message_id = props.message_id
             attempt = 0
-            if not self._stopping:
+            if not self._stopping and ctag not in self._cancelled:
                 try:
                     action, attempt = self._handle(consumer, redelivered, props, body)
                 except BaseException as exc:  # never leave a delivery unsettled
                     log.exception("%s: unexpected worker error", consumer.queue)
                     action = Requeue(repr(exc))
-            results.append((gen, consumer, tag, message_id, attempt, action))
+            results.append((gen, consumer, ctag, tag, message_id, attempt, action))
             if not self._wake_pending:
                 self._wake_pending = True
                 self._wake()
@@ -407,16 +478,16 @@ class Worker(WorkerBase):
         guard = self._guard
         if key is None or guard is None:
             outcome = _call(consumer, prepared, self.metrics)
-            return consumer.finish(prepared, outcome, now_ms()), attempt
+            return consumer.finish(prepared, outcome, now_ms(), self._broker), attempt
         owner = f"{self.identity}:{next(self._seq)}"
         try:
             claim = guard.claim(key, owner)
         except Exception as exc:
             log.error("%s: idempotency store failed on claim: %r", consumer.queue, exc)
             time.sleep(STORE_PAUSE_S)
-            return consumer.finish(prepared, Unavailable(exc), now_ms()), attempt
+            return consumer.finish(prepared, Unavailable(exc), now_ms(), self._broker), attempt
         if claim is not ClaimResult.CLAIMED:
-            return consumer.finish(prepared, claim, now_ms()), attempt
+            return consumer.finish(prepared, claim, now_ms(), self._broker), attempt
         claims, lock = self._claims, self._claims_lock
         with lock:
             claims[owner] = key
@@ -431,7 +502,7 @@ class Worker(WorkerBase):
         except Exception as exc:
             # The handler's outcome stands; a duplicate may run again after the lease.
             log.error("%s: idempotency store failed after the handler: %r", consumer.queue, exc)
-        return consumer.finish(prepared, outcome, now_ms()), attempt
+        return consumer.finish(prepared, outcome, now_ms(), self._broker), attempt
 
     def _housekeeping(self) -> None:
         """Renew the leases of running handlers; purge expired records now and then."""

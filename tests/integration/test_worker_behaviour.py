@@ -3,26 +3,35 @@
 
 Every scenario uses 1 s tiers and waits with deadlines; handlers are built by
 `workers.harness.handler`, a `def` for the sync worker and an `async def` for the async
-one, from the same steps.
+one, from the same steps. What differs between RabbitMQ versions (a consumer over its
+consumer_timeout, the 4.3 retry backend "broker") runs on every version, expecting what
+that version does.
 """
 
 from __future__ import annotations
 
+import logging
+import re
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pika.exceptions
 import pytest
-from conftest import message_count, wait_for
+from conftest import message_count, unique_namespace, wait_for
 from pydantic import BaseModel
 
 from rabbit_delay import names as h
+from rabbit_delay.broker import BrokerInfo
 from rabbit_delay.consumer import App, HandlerContext, Reject, Retry
-from rabbit_delay.errors import ConfigError, MissingObjectError
+from rabbit_delay.errors import ConfigError, IncompatibleBroker, MissingObjectError
 from rabbit_delay.idempotency import ClaimResult, MemoryStore
-from rabbit_delay.sync import Publisher, connect, declare
-from rabbit_delay.topology import Topology
+from rabbit_delay.message import now_ms
+from rabbit_delay.sync import Publisher, connect, declare, plan
+from rabbit_delay.topology import Topology, topology_from_dict
 from rabbit_delay.urls import ManagementEndpoint
 
+from ._scratch_node import ScratchNode, scratch_kind, server_info, started_node
 from .workers.harness import (
     KINDS,
     Calls,
@@ -511,3 +520,231 @@ def test_the_sync_worker_refuses_an_async_handler(make_topology: Callable[..., T
 
     with pytest.raises(ConfigError, match="cannot run async handlers"):
         Worker(app)
+
+
+# -- the broker cancels a consumer over its consumer_timeout --------------------------------------
+
+CONSUMER_TIMEOUT_MS = 3_000
+
+
+@pytest.fixture(scope="module")
+def timeout_node(broker_url: str) -> Iterator[ScratchNode]:
+    """A scratch node of the broker-under-test's version with consumer_timeout = 3 s.
+
+    4.3 times a quorum consumer out on a timer of its own (basic.cancel at 3.0 s, measured);
+    older versions check on the channel tick, once a minute by default (406 at ~60 s), so
+    this node ticks every second (no rabbitmq.conf key: set in the running node).
+    """
+    conf = [f"consumer_timeout = {CONSUMER_TIMEOUT_MS}"]
+    with started_node(scratch_kind(broker_url), conf=conf) as node:
+        node.ctl("eval", "application:set_env(rabbit, channel_tick_interval, 1000).")
+        yield node
+
+
+@pytest.mark.slow
+def test_a_consumer_the_broker_timed_out_consumes_again(
+    kind: str, timeout_node: ScratchNode, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="rabbit_delay.worker")
+    url = timeout_node.url
+    broker = server_info(url)
+    topology = topology_from_dict(
+        {"namespace": unique_namespace(), "tiers": {"1s": "1s"}, "queues": {QUEUE: {}}}
+    )
+    conn = connect(url, name="rd-test consumer timeout declare")
+    try:
+        declare(conn, topology)
+    finally:
+        conn.close()
+    business = topology.names.business_queue(QUEUE)
+    app = App(topology, store=MemoryStore())
+    calls = Calls()
+
+    def slow_for_50(message: Any, _ctx: HandlerContext) -> float:
+        return 2 * CONSUMER_TIMEOUT_MS / 1000 if message.order_id == 50 else 0.0
+
+    app.add_consumer(QUEUE, handler(kind, calls, sleep=slow_for_50), model=CancelOrder)
+    worker = RunningWorker(kind, app, url).start()
+    try:
+        publish(url, topology, {"order_id": 50})
+        calls.wait_started(1)
+        # 4.3: basic.cancel of this one consumer; older: the channel closed with 406.
+        said = (
+            f"{QUEUE}: the broker cancelled the consumer of queue {business}"
+            if broker.cancels_timed_out_quorum_consumers
+            else f"the broker closed the channel consuming {business}: a delivery stayed unacked "
+            "longer than the broker's consumer_timeout"
+        )
+        wait_for(lambda: said in caplog.text, 20, f"the warning {said!r}")
+        wait_for(lambda: worker.worker.started.is_set(), 15, "the worker consuming again")
+        publish(url, topology, {"order_id": 51})
+
+        wait_for(
+            lambda: sorted(c.message.order_id for c in calls.finished) == [50, 51],
+            30,
+            "both handled",
+        )
+        # 50 went back to the queue when its consumer went; its copy is deferred while the
+        # first run goes on, then skipped as done. The first run's result is never acked.
+        wait_for(
+            lambda: worker.stats.duplicates == 1 and message_count(url, business) == 0,
+            30,
+            f"the redelivered 50 to be skipped as done ({worker.stats})",
+        )
+    finally:
+        worker.stop()
+    assert [c.message.order_id for c in calls.started].count(50) == 1  # one effect
+    assert worker.stats.stale >= 1
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and said in r.message]
+    assert len(warnings) == 1
+    if broker.cancels_timed_out_quorum_consumers:
+        assert (worker.stats.consumer_cancels, worker.stats.reconnects) == (1, 0)
+        assert "consumer_timeout" in warnings[0].message
+        assert "consuming again" in warnings[0].message
+    else:
+        assert (worker.stats.consumer_cancels, worker.stats.reconnects) == (0, 1)
+
+
+# -- retry backend "broker" (RabbitMQ 4.3+ quorum queue delayed retry) -----------------------------
+
+BROKER_RETRY = {"backend": "broker", "min": "1s", "max": "2s", "max_attempts": 4}
+
+
+def broker_retrying(**retry: Any) -> dict[str, Any]:
+    return {"queues": {QUEUE: {"delivery_limit": 4, "retry": {**BROKER_RETRY, **retry}}}}
+
+
+def needs_delayed_retry(broker_info: BrokerInfo) -> None:
+    if not broker_info.supports_delayed_retry:
+        pytest.skip(
+            'retry backend = "broker" needs RabbitMQ 4.3+ (quorum queue delayed retry); the '
+            f"broker under test is {broker_info.describe()} (its refusal is tested here)"
+        )
+
+
+def test_broker_retry_backend_is_refused_before_4_3(
+    kind: str,
+    make_topology: Callable[..., Topology],
+    run_worker: Runner,
+    broker_url: str,
+    broker_info: BrokerInfo,
+) -> None:
+    if broker_info.supports_delayed_retry:
+        pytest.skip(f"{broker_info.describe()} has delayed retry: declared and used below")
+    topology = make_topology(**broker_retrying())
+    conn = connect(broker_url, name="rd-test refused declare")
+    try:
+        for attempt in (declare, plan):
+            with pytest.raises(IncompatibleBroker, match=r"needs quorum queue delayed retry"):
+                attempt(conn, topology)
+    finally:
+        conn.close()
+    assert message_count_or_none(broker_url, topology.names.business_queue(QUEUE)) is None
+    app = App(topology, store=MemoryStore())
+    app.add_consumer(QUEUE, handler(kind, Calls()), model=CancelOrder)
+    for declare_first in (False, True):
+        with pytest.raises(IncompatibleBroker, match=re.escape(broker_info.version_text)):
+            run_worker(kind, app, declare=declare_first)
+
+
+def message_count_or_none(url: str, queue: str) -> int | None:
+    """`message_count`, or None when the queue does not exist."""
+    try:
+        return message_count(url, queue)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code == 404:
+            return None
+        raise
+
+
+@pytest.mark.slow
+def test_broker_retries_arrive_after_the_brokers_delays_then_park_with_the_reason(
+    kind: str,
+    declared: Declared,
+    run_worker: Runner,
+    broker_url: str,
+    broker_info: BrokerInfo,
+) -> None:
+    needs_delayed_retry(broker_info)
+    topology = declared(**broker_retrying())
+    app = App(topology, store=MemoryStore())
+    calls = Calls()
+    failed_at: list[float] = []  # monotonic, just before each failure
+    first_failure_ms: list[int] = []
+
+    def boom(message: Any, ctx: HandlerContext) -> None:
+        if not first_failure_ms:
+            first_failure_ms.append(now_ms())
+        failed_at.append(time.monotonic())
+        raise ValueError(f"payment service down (attempt {ctx.attempt})")
+
+    app.add_consumer(QUEUE, handler(kind, calls, then=boom), model=CancelOrder)
+    worker = run_worker(kind, app)
+    [message_id] = publish(broker_url, topology, {"order_id": 60})
+
+    [parked] = get_all(broker_url, topology.names.parking_queue(QUEUE), 1, timeout=30)
+    worker.stop()
+
+    assert [c.ctx.attempt for c in calls.started] == [1, 2, 3, 4]
+    # The same copy every time, requeued: never through a tier again, counted by the queue.
+    assert [c.ctx.headers.get(h.DELIVERY_COUNT_HEADER) for c in calls.started] == [None, 1, 2, 3]
+    for call in calls.started:  # one trip through the 1 s tier: when it was published
+        deaths = call.ctx.headers.get("x-death") or []
+        assert sum(int(d["count"]) for d in deaths) == 1
+    assert all(c.ctx.redelivered for c in calls.started[1:])
+    # Retry n waits min(1 s x n, 2 s) after the failure: never early. Late by the broker's
+    # timer and the worker's reject (a few ms here); 1 s of tolerance on a busy machine.
+    expected = [1.0, 2.0, 2.0]
+    waited = [calls.started[n + 1].at - failed_at[n] for n in range(3)]
+    for n, (took, want) in enumerate(zip(waited, expected, strict=True), start=1):
+        assert took >= want, f"retry {n} came {want - took:.3f}s early (waited {waited})"
+        assert took < want + 1.0, f"retry {n} came {took - want:.3f}s late (waited {waited})"
+
+    headers = parked.headers
+    assert parked.properties.message_id == message_id
+    assert CancelOrder.model_validate_json(parked.body).order_id == 60
+    assert headers[h.H_PARK_REASON] == "max_attempts"
+    assert headers[h.H_ATTEMPT] == 4
+    assert headers[h.H_ERROR_TYPE] == "ValueError"
+    assert headers[h.H_ERROR_MESSAGE] == "payment service down (attempt 4)"
+    assert "ValueError: payment service down" in str(headers[h.H_ERROR_TRACEBACK])
+    assert headers[h.H_ORIGINAL_QUEUE] == QUEUE
+    # A requeue carries no header: the first failure is derived from the broker's delays
+    # (1 + 2 + 2 s before the last), the latest it can have been.
+    assert headers[h.H_LAST_FAILURE] - headers[h.H_FIRST_FAILURE] == 5_000
+    assert first_failure_ms[0] <= headers[h.H_FIRST_FAILURE] + 5  # ms rounding of two clocks
+    assert headers[h.H_FIRST_FAILURE] - first_failure_ms[0] < 1_500
+    broker_headers = {k for k in headers if k.startswith(h.BROKER_HEADER_PREFIXES)}
+    assert broker_headers <= {"x-delivery-count"}  # the parking lot's own, if any
+    assert message_count(broker_url, topology.names.business_queue(QUEUE)) == 0
+    assert message_count(broker_url, topology.names.tier_queue("1s")) == 0
+    assert (worker.stats.retried, worker.stats.parked, worker.stats.acked) == (3, 1, 0)
+
+
+def test_a_broker_retry_that_succeeds_is_acked(
+    kind: str,
+    declared: Declared,
+    run_worker: Runner,
+    broker_url: str,
+    broker_info: BrokerInfo,
+) -> None:
+    needs_delayed_retry(broker_info)
+    topology = declared(**broker_retrying())
+    app = App(topology, store=MemoryStore())
+    calls = Calls()
+
+    def flaky(message: Any, ctx: HandlerContext) -> None:
+        if ctx.attempt == 1:
+            raise ConnectionError("timeout")
+
+    app.add_consumer(QUEUE, handler(kind, calls, then=flaky), model=CancelOrder)
+    worker = run_worker(kind, app)
+    publish(broker_url, topology, {"order_id": 61})
+
+    [done] = calls.wait_finished(1, timeout=15)
+    wait_for(lambda: worker.stats.acked == 1, 5, "the ack")
+    worker.stop()
+    assert done.ctx.attempt == 2
+    assert worker.stats.retried == 1
+    assert message_count(broker_url, topology.names.parking_queue(QUEUE)) == 0
+    assert message_count(broker_url, topology.names.business_queue(QUEUE)) == 0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+from typing import Any
 
 import pytest
 
@@ -99,3 +101,40 @@ def test_random_interleavings_are_exact(seed: int) -> None:
     apply(tracker.flush())
     assert outstanding == {}
     assert len(tracker) == 0
+
+
+class SlowChannel:
+    """Records ack frames as the wire would see them; every write yields to the loop."""
+
+    def __init__(self) -> None:
+        self.wire: list[tuple[int, bool]] = []
+
+    async def basic_ack(self, tag: int, multiple: bool = False) -> None:
+        await asyncio.sleep(0.001)
+        self.wire.append((tag, multiple))
+
+
+async def test_the_async_worker_writes_ack_flushes_in_order() -> None:
+    # A flush's multiple-ack assumes the single acks of earlier flushes are on the wire:
+    # overtaking one would settle its tag first, and its own ack would then close the
+    # channel (406 unknown delivery tag). Seen under load before the writes were ordered.
+    from rabbit_delay.aio.worker import AsyncWorker
+    from rabbit_delay.consumer import App
+    from rabbit_delay.idempotency import MemoryStore
+    from rabbit_delay.topology import topology_from_dict
+
+    topology = topology_from_dict({"namespace": "s", "tiers": {"1s": "1s"}, "queues": {"q": {}}})
+    app = App(topology, store=MemoryStore())
+    app.add_consumer("q", lambda message: None)
+    worker = AsyncWorker(app, "amqp://guest:guest@127.0.0.1:5672/%2F")
+    worker._loop = asyncio.get_running_loop()
+    channel: Any = SlowChannel()
+    tracker = delivered(1, 2, 3, 4)
+    worker._ack(channel, tracker, 1)
+    worker._ack(channel, tracker, 3)
+    await asyncio.sleep(0)  # flush 1: (1), (3) one by one, 2 still runs
+    worker._ack(channel, tracker, 2)
+    worker._ack(channel, tracker, 4)
+    await asyncio.sleep(0)  # flush 2: one multiple-ack up to 4
+    await asyncio.wait(list(worker._ack_writes), timeout=5)
+    assert channel.wire == [(1, False), (3, False), (4, True)]

@@ -8,8 +8,10 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from rabbit_delay import names as h
+from rabbit_delay.broker import UNKNOWN, BrokerInfo
 from rabbit_delay.consumer import (
     ACK,
+    BrokerRetry,
     Park,
     ParkReason,
     QueuePolicy,
@@ -55,9 +57,31 @@ def envelope(attempt: int = 1, **headers: object) -> Envelope:
     return Envelope.from_headers("m-1", {**base, **headers})
 
 
-def run(outcome: Any, env: Envelope | None = None, **queue: Any) -> Any:
+RABBITMQ_3_10 = BrokerInfo(version_text="3.10.8")
+RABBITMQ_4_0 = BrokerInfo(version_text="4.0.5")
+RABBITMQ_4_3 = BrokerInfo(version_text="4.3.6")
+
+
+def run(
+    outcome: Any, env: Envelope | None = None, broker: BrokerInfo = UNKNOWN, **queue: Any
+) -> Any:
     policy = QueuePolicy(topology(**queue), "orders")
-    return decide(env or envelope(), policy, outcome, body=BODY, content_type=JSON, now_ms=NOW)
+    return decide(
+        env or envelope(), policy, outcome, body=BODY, content_type=JSON, now_ms=NOW, broker=broker
+    )
+
+
+NATIVE = {"backend": "broker", "min": "1s", "max": "5s", "max_attempts": 4}
+
+
+def native_envelope(delivery_count: int, attempt: int = 1, **headers: object) -> Envelope:
+    """A delivery of a queue with retry backend "broker", as the worker reads it."""
+    policy = QueuePolicy(topology(retry=NATIVE), "orders")
+    base: dict[str, object] = {h.H_ATTEMPT: attempt, h.H_TIER: "1s", h.H_DUE_AT: NOW - 5}
+    if delivery_count:
+        base[h.DELIVERY_COUNT_HEADER] = delivery_count
+        base["x-acquired-count"] = delivery_count
+    return policy.envelope("m-1", {**base, **headers})
 
 
 def test_success_acks() -> None:
@@ -234,10 +258,125 @@ def test_undecodable_and_invalid_bodies_park_at_once() -> None:
         assert action.outgoing.headers[h.H_ERROR_TYPE] == "pydantic_core.ValidationError"
 
 
-def test_a_store_failure_requeues() -> None:
-    action = run(Unavailable(OSError("disk full")))
+def test_a_store_failure_is_a_nack_where_a_requeue_costs_no_delivery() -> None:
+    # RabbitMQ 4.3+ counts basic.reject, not basic.nack, towards the delivery limit.
+    action = run(Unavailable(OSError("disk full")), broker=RABBITMQ_4_3)
     assert isinstance(action, Requeue)
     assert "disk full" in action.error
+
+
+@pytest.mark.parametrize("broker", [RABBITMQ_3_10, RABBITMQ_4_0, UNKNOWN], ids=str)
+def test_a_store_failure_is_a_same_attempt_copy_where_a_requeue_counts(broker: BrokerInfo) -> None:
+    # Before 4.3 (and when unknown) every requeue counts: an outage longer than the
+    # delivery limit would park good messages. A copy through the shortest tier does not.
+    env = envelope(2, **{"x-delivery-count": 1, "x-death": [{"count": 1}], "custom": "kept"})
+    action = run(Unavailable(OSError("disk full")), env, broker, retry={"tiers": ["5m"]})
+    assert isinstance(action, Republish)
+    assert action.reason is RepublishReason.UNAVAILABLE
+    assert action.requeue_if_unsent
+    assert action.attempt == 2
+    assert action.error is not None
+    assert "disk full" in action.error
+    out = action.outgoing
+    assert (out.exchange, out.routing_key) == ("shop.v1.delay.1s", "shop.v1.q.orders")
+    assert out.message_id == "m-1"
+    assert out.headers[h.H_ATTEMPT] == 2
+    assert out.headers["custom"] == "kept"
+    assert h.H_ERROR_TYPE not in out.headers  # not a failure of the message
+    assert not any(k.startswith("x-") for k in out.headers)
+
+
+def test_only_a_retry_dead_letters_when_its_copy_cannot_be_sent() -> None:
+    retry = run(RuntimeError())
+    defer = run(ClaimResult.IN_PROGRESS)
+    assert not retry.requeue_if_unsent
+    assert defer.requeue_if_unsent
+
+
+# -- retry backend "broker" (RabbitMQ 4.3+ quorum delayed retry) -------------------------------
+
+
+def test_broker_backend_requeues_with_the_brokers_delay() -> None:
+    env = native_envelope(0)
+    action = run(ValueError("boom"), env, RABBITMQ_4_3, retry=NATIVE)
+    assert action == BrokerRetry(attempt=2, delay_ms=1_000, error="ValueError: boom")
+
+
+@pytest.mark.parametrize(
+    ("delivery_count", "attempt", "delay_ms"), [(0, 2, 1_000), (1, 3, 2_000), (2, 4, 3_000)]
+)
+def test_broker_backend_counts_attempts_from_the_delivery_count(
+    delivery_count: int, attempt: int, delay_ms: int
+) -> None:
+    # delay = min(min x x-delivery-count after the reject, max): 1 s, 2 s, 3 s (max 5 s)
+    env = native_envelope(delivery_count)
+    assert env.attempt == delivery_count + 1
+    action = run(RuntimeError(), env, RABBITMQ_4_3, retry={**NATIVE, "max_attempts": 9})
+    assert action == BrokerRetry(attempt=attempt, delay_ms=delay_ms, error="RuntimeError: ")
+
+
+def test_broker_backend_delays_are_capped_by_max() -> None:
+    env = native_envelope(7)
+    retry = {**NATIVE, "max_attempts": 20}
+    action = run(RuntimeError(), env, RABBITMQ_4_3, retry=retry, delivery_limit=20)
+    assert isinstance(action, BrokerRetry)
+    assert action.delay_ms == 5_000
+
+
+def test_broker_backend_parks_the_last_attempt_itself_with_the_usual_headers() -> None:
+    exc = _raise(KeyError("order 1 not found"))
+    env = native_envelope(3)  # attempts 1-3 failed, this is attempt 4 of 4
+    action = run(exc, env, RABBITMQ_4_3, retry=NATIVE)
+    assert isinstance(action, Park)
+    assert action.reason is ParkReason.MAX_ATTEMPTS
+    headers = action.outgoing.headers
+    assert headers[h.H_ATTEMPT] == 4
+    assert headers[h.H_PARK_REASON] == "max_attempts"
+    assert headers[h.H_ERROR_TYPE] == "KeyError"
+    assert "KeyError" in str(headers[h.H_ERROR_TRACEBACK])
+    assert headers[h.H_LAST_FAILURE] == NOW
+    # No header survives a requeue: the first failure was at least 1 + 2 + 3 s earlier.
+    assert headers[h.H_FIRST_FAILURE] == NOW - 6_000
+    assert not any(k.startswith("x-") for k in headers)
+
+
+def test_broker_backend_keeps_a_first_failure_a_copy_carried() -> None:
+    env = native_envelope(1, attempt=2, **{h.H_FIRST_FAILURE: NOW - 60_000})
+    action = run(RuntimeError(), env, RABBITMQ_4_3, retry={**NATIVE, "max_attempts": 3})
+    assert isinstance(action, Park)
+    assert action.outgoing.headers[h.H_FIRST_FAILURE] == NOW - 60_000
+    assert action.outgoing.headers[h.H_ATTEMPT] == 3
+
+
+def test_broker_backend_honours_a_retry_that_names_a_tier_with_a_copy() -> None:
+    env = native_envelope(1)
+    action = run(Retry("later", tier="30s"), env, RABBITMQ_4_3, retry=NATIVE)
+    assert isinstance(action, Republish)
+    assert action.reason is RepublishReason.RETRY
+    # The copy starts a new delivery count: the attempt travels in rd-attempt.
+    assert action.outgoing.headers[h.H_ATTEMPT] == 3
+    assert action.outgoing.headers[h.H_TIER] == "30s"
+    again = QueuePolicy(topology(retry=NATIVE), "orders").envelope("m-1", action.outgoing.headers)
+    assert again.attempt == 3
+
+
+def test_broker_backend_falls_back_to_the_broker_when_a_retry_cannot_be_served() -> None:
+    action = run(Retry("later", delay=17), native_envelope(0), RABBITMQ_4_3, retry=NATIVE)
+    assert isinstance(action, BrokerRetry)
+    assert "requested retry delay refused" in action.error
+
+
+def test_broker_backend_defers_a_copy_in_progress_with_the_counted_attempt() -> None:
+    action = run(ClaimResult.IN_PROGRESS, native_envelope(2), RABBITMQ_4_3, retry=NATIVE)
+    assert isinstance(action, Republish)
+    assert action.reason is RepublishReason.DEFER
+    assert action.outgoing.headers[h.H_ATTEMPT] == 3
+
+
+def test_the_tiers_backend_ignores_the_delivery_count() -> None:
+    # A crash redelivery is not an attempt there; the broker's delivery limit handles it.
+    policy = QueuePolicy(topology(), "orders")
+    assert policy.envelope("m-1", {h.H_ATTEMPT: 2, h.DELIVERY_COUNT_HEADER: 5}).attempt == 2
 
 
 def test_backoff_resolves_exact_delays_through_the_cascade() -> None:
