@@ -44,6 +44,10 @@ class QueueArguments(TypedDict, total=False):
     x_overflow: str
     x_queue_type: str
     x_delivery_limit: int
+    # RabbitMQ 4.3+ quorum delayed retry (retry backend "broker")
+    x_delayed_retry_type: str
+    x_delayed_retry_min: int
+    x_delayed_retry_max: int
 
 
 class ExchangeArguments(TypedDict, total=False):

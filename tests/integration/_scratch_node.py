@@ -29,6 +29,7 @@ from typing import Any
 import pika
 import pika.exceptions
 import pytest
+from conftest import server_info
 
 from rabbit_delay.broker import BrokerInfo
 from rabbit_delay.message import now_ms
@@ -56,14 +57,6 @@ def brokers_sh(*args: str, timeout: float = START_TIMEOUT_S) -> str:
     if done.returncode != 0:
         raise RuntimeError(f"brokers.sh {' '.join(args)} failed:\n{done.stderr[-3000:]}")
     return done.stdout.strip()
-
-
-def server_info(url: str) -> BrokerInfo:
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    try:
-        return BrokerInfo.from_server_properties(conn._impl.server_properties)
-    finally:
-        conn.close()
 
 
 @cache
