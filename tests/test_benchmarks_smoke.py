@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,10 +31,10 @@ CONTENDERS = {
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-@pytest.mark.timeout(150)
-def test_bench_publish_quick_json(broker_url: str) -> None:
+def run_quick(bench: Path, url: str) -> tuple[subprocess.CompletedProcess[str], Any]:
+    """Run a benchmark's --quick --json smoke run; it must exit 0. Its output, parsed."""
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--json", "--url", broker_url],
+        [sys.executable, str(bench), "--quick", "--json", "--url", url],
         cwd=ROOT,
         stdin=subprocess.DEVNULL,
         capture_output=True,
@@ -43,7 +44,12 @@ def test_bench_publish_quick_json(broker_url: str) -> None:
     assert proc.returncode == 0, (
         f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
     )
-    result = json.loads(proc.stdout)
+    return proc, json.loads(proc.stdout)
+
+
+@pytest.mark.timeout(150)
+def test_bench_publish_quick_json(broker_url: str) -> None:
+    proc, result = run_quick(BENCH, broker_url)
 
     assert set(result["throughput"]) == CONTENDERS
     for name, figures in result["throughput"].items():
@@ -72,18 +78,7 @@ RETRY_BENCH = ROOT / "benchmarks" / "bench_retry.py"
 
 @pytest.mark.timeout(150)
 def test_bench_retry_quick_json(broker_url: str, broker_info: BrokerInfo) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(RETRY_BENCH), "--quick", "--json", "--url", broker_url],
-        cwd=ROOT,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, (
-        f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
-    )
-    result = json.loads(proc.stdout)
+    proc, result = run_quick(RETRY_BENCH, broker_url)
     assert result["errors"] == []  # every message attempted max_attempts times, then parked
     native = broker_info.supports_delayed_retry
     assert set(result["results"]) == ({"tiers", "broker"} if native else {"tiers"})

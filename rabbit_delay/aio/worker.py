@@ -60,7 +60,7 @@ from rabbit_delay.consumer import (
 )
 from rabbit_delay.consumer._acks import AckTracker
 from rabbit_delay.consumer._context import clock_ms as now_ms
-from rabbit_delay.consumer._stats import log_action, log_connection_lost, log_consumer_cancelled
+from rabbit_delay.consumer._stats import log_action, log_connection_lost
 from rabbit_delay.consumer._worker_base import WorkerBase, WorkerSettings
 from rabbit_delay.errors import (
     BrokerError,
@@ -114,8 +114,6 @@ class AsyncWorker(WorkerBase):
         self._publisher: AsyncPublisher | None = None
         self._broker: BrokerInfo = UNKNOWN  # the connected broker's version rules
         self._lost_reason = ""
-        self._by_tag: dict[str, Consumer] = {}  # current consumer tags -> their consumer
-        self._cancelled: set[str] = set()  # consumer tags the broker cancelled
         self._sem = asyncio.Semaphore(self.concurrency)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._idle: asyncio.Event | None = None
@@ -229,7 +227,7 @@ class AsyncWorker(WorkerBase):
             # In place before the first delivery can arrive.
             self._connection, self._channel, self._raw = connection, channel, raw
             self._publisher, self._lost, self._broker = publisher, lost, broker
-            self._by_tag, self._cancelled = {}, set()
+            self._new_channel()
             for consumer in self.consumers:
                 await self._consume(raw, tracker, consumer)
         except BaseException:
@@ -250,19 +248,12 @@ class AsyncWorker(WorkerBase):
 
     def _on_cancel(self, raw: RawChannel, tracker: AckTracker, frame: Basic.Cancel) -> None:
         """basic.cancel from the broker: drop that consumer's deliveries, consume again."""
-        tag = str(frame.consumer_tag)
         if raw is not self._raw:  # a channel we already left
             return
-        consumer = self._by_tag.pop(tag, None)
-        if consumer is None:
-            return
-        self._cancelled.add(tag)  # its deliveries went back to the queue: never ack them
-        self.stats.consumer_cancels += 1
-        queue_name = self.app.topology.names.business_queue(consumer.queue)
-        again = not self._stopping and not self._stop_requested
-        log_consumer_cancelled(consumer.queue, queue_name, tag, self._broker, again)
-        if again:
-            task = asyncio.ensure_future(self._consume_again(raw, tracker, consumer))
+        stopping = self._stopping or self._stop_requested
+        again = self._consumer_cancelled(str(frame.consumer_tag), self._broker, stopping)
+        if again is not None:
+            task = asyncio.ensure_future(self._consume_again(raw, tracker, again))
             self._tasks.add(task)
             task.add_done_callback(self._task_done)
 

@@ -7,8 +7,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar, TypedDict
 
 from rabbit_delay.broker import BrokerInfo
-from rabbit_delay.consumer._app import App, Transport
-from rabbit_delay.consumer._stats import WorkerMetrics, WorkerStats, worker_identity
+from rabbit_delay.consumer._app import App, Consumer, Transport
+from rabbit_delay.consumer._stats import (
+    WorkerMetrics,
+    WorkerStats,
+    log_consumer_cancelled,
+    worker_identity,
+)
 from rabbit_delay.plan import check_broker, desired
 from rabbit_delay.urls import broker_url
 
@@ -76,6 +81,26 @@ class WorkerBase:
         )
         self.started = threading.Event()  # set once consuming (again after a reconnect)
         self._wanted = desired(app.topology)
+        self._new_channel()
+
+    def _new_channel(self) -> None:
+        """Forget the consumer tags of the previous channel (tags never outlive theirs)."""
+        self._by_tag: dict[str, Consumer] = {}  # current consumer tags -> their consumer
+        self._cancelled: set[str] = set()  # consumer tags the broker cancelled
+
+    def _consumer_cancelled(self, tag: str, broker: BrokerInfo, stopping: bool) -> Consumer | None:
+        """The broker sent basic.cancel for consumer `tag`: its deliveries went back to the
+        queue, so none of them may be acked (or copied) any more. Counted and logged once,
+        for both workers. Returns the consumer to consume again, or None (not ours, or the
+        worker is stopping)."""
+        consumer = self._by_tag.pop(tag, None)
+        if consumer is None:
+            return None
+        self._cancelled.add(tag)
+        self.stats.consumer_cancels += 1
+        queue_name = self.app.topology.names.business_queue(consumer.queue)
+        log_consumer_cancelled(consumer.queue, queue_name, tag, broker, not stopping)
+        return None if stopping else consumer
 
     def check_broker(self, broker: BrokerInfo) -> None:
         """Refuse, before consuming, a broker whose version cannot serve the topology:

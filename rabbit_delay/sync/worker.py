@@ -56,7 +56,6 @@ from rabbit_delay.consumer._stats import (
     WorkerMetrics,
     log_action,
     log_connection_lost,
-    log_consumer_cancelled,
 )
 from rabbit_delay.consumer._worker_base import WorkerBase, WorkerSettings
 from rabbit_delay.errors import (
@@ -125,8 +124,6 @@ class Worker(WorkerBase):
         self._channel: BlockingChannel | None = None
         self._publisher: Publisher | None = None
         self._broker: BrokerInfo = UNKNOWN  # the connected broker's version rules
-        self._by_tag: dict[str, Consumer] = {}  # current consumer tags -> their consumer
-        self._cancelled: set[str] = set()  # consumer tags the broker cancelled
         self._resubscribe: list[Consumer] = []  # cancelled by the broker, to consume again
         self._tracker = AckTracker()
         self._inflight = 0  # deliveries of the current channel not yet settled
@@ -219,7 +216,8 @@ class Worker(WorkerBase):
             self._publisher = Publisher(self.app.topology, connection=conn)
             self._conn, self._channel, self._broker = conn, channel, broker
             self._tracker = AckTracker()  # one per channel: tags never outlive their channel
-            self._cancelled, self._resubscribe, self._by_tag = set(), [], {}
+            self._new_channel()
+            self._resubscribe = []
             for consumer in self.consumers:
                 self._consume(channel, consumer)
         except BaseException:
@@ -239,17 +237,10 @@ class Worker(WorkerBase):
 
     def _on_cancel(self, frame: Any) -> None:
         """basic.cancel from the broker (pika calls this while dispatching events)."""
-        tag = str(frame.method.consumer_tag)
-        consumer = self._by_tag.pop(tag, None)
-        if consumer is None:
-            return
-        self._cancelled.add(tag)  # its deliveries went back to the queue: never ack them
-        self.stats.consumer_cancels += 1
-        queue_name = self.app.topology.names.business_queue(consumer.queue)
-        again = not self._stopping and not self._stop.is_set()
-        log_consumer_cancelled(consumer.queue, queue_name, tag, self._broker, again)
-        if again:  # consumed again from the loop, outside pika's dispatch
-            self._resubscribe.append(consumer)
+        stopping = self._stopping or self._stop.is_set()
+        again = self._consumer_cancelled(str(frame.method.consumer_tag), self._broker, stopping)
+        if again is not None:  # consumed again from the loop, outside pika's dispatch
+            self._resubscribe.append(again)
 
     def _consume_again(self) -> None:
         channel = self._channel

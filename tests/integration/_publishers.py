@@ -370,3 +370,15 @@ class Collector:
             return wanted <= {a.message_id for a in list(self.arrivals)}
 
         wait_for(done, timeout, f"messages {sorted(wanted)} to arrive")
+
+
+def toml_for(topology: Topology) -> str:
+    """The conftest default topology (tiers 1s, 3s; orders.cancel and push) as TOML, for
+    the CLI tests that read a topology file."""
+    return (
+        f'namespace = "{topology.namespace}"\n'
+        f'queue_type = "{topology.queue_type.value}"\n'
+        '[tiers]\n1s = "1s"\n3s = "3s"\n'
+        '[queues."orders.cancel"]\n'
+        '[queues.push]\nbindings = ["push.any"]\n'
+    )

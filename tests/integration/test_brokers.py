@@ -27,7 +27,7 @@ from rabbit_delay.sync.declarer import run_program
 from rabbit_delay.topology import Topology
 from rabbit_delay.urls import MANAGEMENT_URL_ENV, URL_ENV, ManagementEndpoint, management_endpoints
 
-from ._publishers import broker_state
+from ._publishers import broker_state, toml_for
 from ._scratch_node import ScratchNode, scratch_kind, started_node
 
 pytestmark = pytest.mark.integration
@@ -46,15 +46,6 @@ def cli(*args: str) -> Result:
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in (URL_ENV, MANAGEMENT_URL_ENV, "RABBIT_DELAY_TOPOLOGY"):
         monkeypatch.delenv(name, raising=False)
-
-
-def toml_for(topology: Topology) -> str:
-    return (
-        f'namespace = "{topology.namespace}"\n'
-        '[tiers]\n1s = "1s"\n3s = "3s"\n'
-        '[queues."orders.cancel"]\n'
-        '[queues.push]\nbindings = ["push.any"]\n'
-    )
 
 
 # -- the management API must serve the broker of the AMQP connection -----------------------

@@ -22,7 +22,7 @@ from rabbit_delay.cli._app import app, load_commands
 from rabbit_delay.topology import Topology
 from rabbit_delay.urls import MANAGEMENT_URL_ENV, URL_ENV, ManagementEndpoint
 
-from ._publishers import broker_state, delete_queue, queue_info
+from ._publishers import broker_state, delete_queue, queue_info, toml_for
 
 pytestmark = pytest.mark.integration
 
@@ -60,17 +60,6 @@ def cli(*args: str, stdin: str | None = None, env: dict[str, str] | None = None)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return result
-
-
-def toml_for(topology: Topology) -> str:
-    """The conftest default topology (tiers 1s, 3s; orders.cancel and push) as TOML."""
-    return (
-        f'namespace = "{topology.namespace}"\n'
-        f'queue_type = "{topology.queue_type.value}"\n'
-        '[tiers]\n1s = "1s"\n3s = "3s"\n'
-        '[queues."orders.cancel"]\n'
-        '[queues.push]\nbindings = ["push.any"]\n'
-    )
 
 
 @pytest.fixture

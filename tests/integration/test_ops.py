@@ -26,6 +26,8 @@ from rabbit_delay.sync import Publisher, declare
 from rabbit_delay.topology import Topology
 from rabbit_delay.urls import MANAGEMENT_URL_ENV, URL_ENV
 
+from ._publishers import toml_for
+
 pytestmark = pytest.mark.integration
 
 UNREACHABLE_MGMT = "http://127.0.0.1:1"
@@ -118,15 +120,6 @@ class Ops:
     def close(self) -> None:
         if self.conn.is_open:
             self.conn.close()
-
-
-def toml_for(topology: Topology) -> str:
-    return (
-        f'namespace = "{topology.namespace}"\n'
-        '[tiers]\n1s = "1s"\n3s = "3s"\n'
-        '[queues."orders.cancel"]\n'
-        '[queues.push]\nbindings = ["push.any"]\n'
-    )
 
 
 @pytest.fixture
