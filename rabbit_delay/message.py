@@ -97,6 +97,10 @@ class Envelope:
     # The quorum queue's count of failed deliveries of this copy (x-delivery-count: on 4.3
     # rejects and lost channels, before 4.3 every requeue); 0 when absent.
     delivery_count: int = 0
+    # Earlier deliveries of this message lost while its handler may have run (rd-crashes),
+    # and how often this copy was put off behind a running copy (rd-deferrals).
+    crashes: int = 0
+    deferrals: int = 0
 
     @classmethod
     def from_headers(cls, message_id: str | None, headers: Mapping[str, object] | None) -> Envelope:
@@ -106,6 +110,8 @@ class Envelope:
             due = headers.get(h.H_DUE_AT)
             due_at_ms = int(due) if due is not None else None  # type: ignore[call-overload]
             delivery_count = int(headers.get(h.DELIVERY_COUNT_HEADER, 0))  # type: ignore[call-overload]
+            crashes = int(headers.get(h.H_CRASHES, 0))  # type: ignore[call-overload]
+            deferrals = int(headers.get(h.H_DEFERRALS, 0))  # type: ignore[call-overload]
         except (TypeError, ValueError) as exc:
             raise DecodeError(f"malformed rabbit-delay headers: {exc}") from None
         tier = headers.get(h.H_TIER)
@@ -122,6 +128,8 @@ class Envelope:
             else (str(target) if target is not None else None),
             headers=headers,
             delivery_count=max(delivery_count, 0),
+            crashes=max(crashes, 0),
+            deferrals=max(deferrals, 0),
         )
 
     def lateness_ms(self, received_ms: int) -> int | None:

@@ -26,6 +26,9 @@ H_ORIGINAL_QUEUE = "rd-original-queue"
 H_FIRST_FAILURE = "rd-first-failure-at"
 H_LAST_FAILURE = "rd-last-failure-at"
 H_PARK_REASON = "rd-park-reason"
+# Crash and defer accounting, carried by the copies the worker re-publishes.
+H_CRASHES = "rd-crashes"  # deliveries of this message lost while its handler may have run
+H_DEFERRALS = "rd-deferrals"  # times this copy was put off because another copy was running
 # Broker-owned headers stripped before any re-publish (quorum queues count failed
 # deliveries in x-delivery-count and, from 4.3, every hand-out in x-acquired-count).
 DELIVERY_COUNT_HEADER = "x-delivery-count"

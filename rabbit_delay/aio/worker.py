@@ -10,8 +10,17 @@ consumer the broker cancels (RabbitMQ 4.3 does so for a quorum consumer over
 `consumer_timeout`, where older versions close the channel) is consumed again on the
 same channel; the results of its deliveries are dropped the same way.
 
+A driver of the delivery program (`rabbit_delay.consumer._delivery`): each delivery's
+program runs in a task of its own and this module only executes its steps. The claims
+and finishes issued in one loop turn go to the idempotency store as one batch.
 `async def` handlers run on the event loop; plain `def` handlers run in a thread pool
 of `concurrency` threads, so a blocking handler does not stall the loop.
+
+Shutdown: consumers are cancelled, running handlers get `shutdown_timeout`; past it the
+connection is closed (the broker redelivers what is unacked) and the worker still waits
+for running handlers to record their results, so the store is never closed under one.
+A second SIGINT/SIGTERM (or `stop(force=True)`) stops at once: running handlers are
+abandoned like a crash, and their claims run out after the lease.
 
 The connection is a plain (not robust) aio-pika connection: reconnection is this
 worker's own loop, with backoff, so consumers, publisher and generation change
@@ -28,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Unpack
 
@@ -43,25 +53,30 @@ from rabbit_delay.aio._connection import broker_info
 from rabbit_delay.aio.declarer import declare as declare_topology
 from rabbit_delay.aio.publisher import AsyncPublisher
 from rabbit_delay.broker import UNKNOWN, BrokerInfo
-from rabbit_delay.consumer import (
-    Ack,
-    Action,
-    App,
-    BrokerRetry,
-    Consumer,
-    Outcome,
-    Park,
-    Prepared,
-    Republish,
-    Requeue,
-    Skip,
-    Transport,
-    Unavailable,
-)
+from rabbit_delay.consumer import App, Consumer, Transport
 from rabbit_delay.consumer._acks import AckTracker
-from rabbit_delay.consumer._context import clock_ms as now_ms
-from rabbit_delay.consumer._stats import log_action, log_connection_lost
-from rabbit_delay.consumer._worker_base import WorkerBase, WorkerSettings
+from rabbit_delay.consumer._context import clock_ms
+from rabbit_delay.consumer._delivery import (
+    STALE,
+    STOPPING,
+    Claim,
+    Delivery,
+    Finish,
+    Pause,
+    Publish,
+    Run,
+    Settled,
+    Step,
+    WriteAck,
+    WriteNack,
+)
+from rabbit_delay.consumer._stats import log_connection_lost
+from rabbit_delay.consumer._worker_base import (
+    WorkerBase,
+    WorkerSettings,
+    call_async_handler,
+    call_handler,
+)
 from rabbit_delay.errors import (
     BrokerError,
     BrokerUnavailable,
@@ -74,8 +89,6 @@ from rabbit_delay.urls import redact
 
 log = logging.getLogger("rabbit_delay.worker")
 
-STORE_PAUSE_S = 1.0  # back-pressure when the idempotency store fails
-PURGE_EVERY_S = 600.0
 _CHANNEL_GONE = (
     aiormq.exceptions.ChannelInvalidStateError,
     aiormq.exceptions.AMQPError,
@@ -103,6 +116,7 @@ class AsyncWorker(WorkerBase):
     ) -> None:
         super().__init__(app, url, **settings)
         self._stop_requested = False
+        self._force = False  # abandon running handlers (second signal)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._lost: asyncio.Event | None = None
@@ -117,9 +131,7 @@ class AsyncWorker(WorkerBase):
         self._sem = asyncio.Semaphore(self.concurrency)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._idle: asyncio.Event | None = None
-        self._seq = iter(range(1, 1 << 62))
-        self._claims: dict[str, str] = {}  # owner -> key, for lease renewal
-        self._renewing: asyncio.Lock | None = None
+        self._batches: _StoreBatches | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._to_flush: dict[AckTracker, RawChannel] = {}
         self._ack_writes: set[asyncio.Future[None]] = set()
@@ -127,9 +139,12 @@ class AsyncWorker(WorkerBase):
 
     # -- public ------------------------------------------------------------------------
 
-    def stop(self) -> None:
-        """Ask the worker to stop; callable from any thread."""
+    def stop(self, *, force: bool = False) -> None:
+        """Ask the worker to stop; callable from any thread. With `force`, stop at once
+        and abandon running handlers (their claims run out after the lease)."""
         self._stop_requested = True
+        if force:
+            self._force = True
         loop, stop = self._loop, self._stop
         if loop is not None and stop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):  # the loop is already closed
@@ -141,11 +156,11 @@ class AsyncWorker(WorkerBase):
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         self._idle = asyncio.Event()
-        self._renewing = asyncio.Lock()
         if self._stop_requested:
             self._stop.set()
-        if any(c.idempotent for c in self.consumers):
+        if self.guarded:
             self._guard = self.app.async_guard()
+            self._batches = _StoreBatches(self._guard)
         if any(not c.is_async for c in self.consumers):
             self._executor = ThreadPoolExecutor(self.concurrency, "rabbit-delay-handler")
         restore = self._install_signals()
@@ -178,17 +193,19 @@ class AsyncWorker(WorkerBase):
                 await self._reconnect()
             if self._connection is not None:
                 await self._shutdown()
+            await self._wait_running()
         finally:
+            await self._close_connection()
+            abandoned = list(self._tasks)
+            for task in abandoned:  # forced: their claims run out after the lease
+                task.cancel()
+            if abandoned:
+                await asyncio.wait(abandoned, timeout=2)
             if housekeeping is not None:
                 housekeeping.cancel()
-            await self._close_connection()
-            cut_off = list(self._tasks)
-            for task in cut_off:  # past the shutdown timeout: redelivered
-                task.cancel()
-            if cut_off:
-                await asyncio.wait(cut_off, timeout=2)
             if self._executor is not None:
-                self._executor.shutdown(wait=False, cancel_futures=True)
+                # Forced: a running `def` handler cannot be interrupted; it is left to run.
+                self._executor.shutdown(wait=not abandoned, cancel_futures=True)
             restore()
             log.info("worker %s stopped: %s", self.identity, self.stats.as_dict())
 
@@ -305,8 +322,10 @@ class AsyncWorker(WorkerBase):
             log.warning("connection lost during shutdown (%s)", redact(repr(exc)))
         if self._tasks:
             idle.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(idle.wait(), self.shutdown_timeout)
+            deadline = time.monotonic() + self.shutdown_timeout
+            while self._tasks and not self._force and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(idle.wait(), 0.2)
         if self._tasks:
             log.warning(
                 "shutdown timeout (%.0fs): %d message(s) still being handled; the broker "
@@ -318,6 +337,22 @@ class AsyncWorker(WorkerBase):
         if self._ack_writes:
             await asyncio.wait(list(self._ack_writes), timeout=5)
         await self._close_connection()
+
+    async def _wait_running(self) -> None:
+        """After the connection closed: let running handlers record their results in the
+        store (done or released), so it is never closed under one; their acks are stale.
+        A forced stop skips this."""
+        waited = 0.0
+        while self._tasks and not self._force:
+            await asyncio.wait(list(self._tasks), timeout=0.2)
+            waited += 0.2
+            if waited >= 10:
+                waited = 0.0
+                log.warning(
+                    "waiting for %d running handler(s) to finish (SIGINT/SIGTERM again to "
+                    "abandon them: their messages run again after the lease)",
+                    len(self._tasks),
+                )
 
     # -- deliveries --------------------------------------------------------------------
 
@@ -348,55 +383,97 @@ class AsyncWorker(WorkerBase):
     async def _on_message(
         self, consumer: Consumer, tracker: AckTracker, message: DeliveredMessage, tag: int
     ) -> None:
+        """Drive one delivery's program to its end."""
         self.stats.received += 1
-        channel = message.channel
-        ctag = str(message.delivery.consumer_tag)  # type: ignore[union-attr]
-        cancelled = self._cancelled
-        try:
-            if ctag in cancelled:  # its consumer is gone: redelivered to the new one
-                self.stats.stale += 1
-                tracker.settled(tag)
+        props = message.header.properties
+        delivery = Delivery(
+            props.message_id,
+            props.headers,
+            bool(message.delivery.redelivered),  # type: ignore[union-attr]
+            message.body,
+            props.content_type,
+            clock_ms(),
+        )
+        live = _Live(
+            message.channel,
+            tracker,
+            tag,
+            str(message.delivery.consumer_tag),  # type: ignore[union-attr]
+        )
+        program = self.program(consumer, delivery, self._broker)
+        reply: object = None
+        while True:
+            try:
+                step: Step = program.send(reply)
+            except StopIteration as stop:
+                settled: Settled = stop.value
+                if settled.stale and not live.channel.is_closed:
+                    tracker.settled(tag)  # its consumer was cancelled: never acked
+                self.account(settled)
                 return
-            if self._stopping:
-                await self._nack(channel, tracker, tag)
-                return
-            async with self._sem:
-                if ctag in cancelled:  # cancelled while waiting for a slot: not started
-                    self.stats.stale += 1
-                    tracker.settled(tag)
-                    return
-                if self._stopping:  # waited for a slot past the stop: not started
-                    await self._nack(channel, tracker, tag)
-                    return
-                props = message.header.properties
-                action, attempt = await self._handle(consumer, message)
-            if channel.is_closed:  # lost meanwhile: the broker redelivers it
-                self.stats.stale += 1
-                return
-            if ctag in cancelled:
-                # The broker cancelled its consumer and took the message back: it is
-                # redelivered to the new consumer; a copy or an ack now would be one too many.
-                self.stats.stale += 1
-                tracker.settled(tag)
-                return
-            log_action(consumer.queue, props.message_id, attempt, action)
-            self.stats.record(action)
-            if self.metrics is not None:
-                self.metrics.handled(consumer.queue, action)
-            await self._execute(channel, tracker, tag, action)
-        except _CHANNEL_GONE:
-            self.stats.stale += 1  # its channel is gone: the broker redelivers it
-        except Exception:
-            log.exception("%s: unexpected worker error", consumer.queue)
-            with contextlib.suppress(*_CHANNEL_GONE):
-                await self._nack(channel, tracker, tag)
+            try:
+                reply = await self._execute(live, step)
+            except _CHANNEL_GONE:
+                reply = STALE  # its channel is gone: the broker redelivers it
 
-    async def _nack(self, channel: RawChannel, tracker: AckTracker, tag: int) -> None:
-        """Hand one delivery back (not started, or the store failed): nack, not reject,
-        so from RabbitMQ 4.3 it does not count towards a quorum queue's delivery limit."""
-        self.stats.requeued += 1
-        await channel.basic_nack(tag, multiple=False, requeue=True)
-        tracker.settled(tag)
+    def _stale(self, live: _Live) -> bool:
+        return live.channel.is_closed or live.ctag in self._cancelled
+
+    async def _execute(self, live: _Live, step: Step) -> object:
+        if isinstance(step, Finish):  # always executed: the handler did run
+            if self.leases.drop(step.owner):
+                log.warning("%s finished after its lease was lost", step.key)
+            assert self._batches is not None
+            return await self._batches.finish(step.key, step.owner, step.succeeded)
+        if self._stale(live):
+            return STALE
+        if isinstance(step, Claim):
+            if self._stopping:
+                return STOPPING
+            assert self._batches is not None
+            result = await self._batches.claim(step.key, step.owner)
+            if result is ClaimResult.CLAIMED:
+                self.leases.hold(step.key, step.owner, clock_ms())
+            return result
+        if isinstance(step, Run):
+            return await self._run(live, step)
+        if isinstance(step, Pause):
+            await asyncio.sleep(step.seconds)
+            return None
+        if isinstance(step, WriteAck):
+            self._ack(live.channel, live.tracker, live.tag)
+            return None
+        if isinstance(step, Publish):
+            publisher = self._publisher
+            if publisher is None:  # lost meanwhile: the broker redelivers the original
+                return STALE
+            try:
+                await publisher.publish_outgoing((step.outgoing,))
+            except (PublishError, BrokerError) as exc:
+                return exc
+            return None
+        if isinstance(step, WriteNack):
+            await live.channel.basic_nack(live.tag, multiple=False, requeue=True)
+        else:
+            await live.channel.basic_reject(live.tag, requeue=step.requeue)
+        live.tracker.settled(live.tag)
+        return None
+
+    async def _run(self, live: _Live, step: Run) -> object:
+        if self._stopping:
+            return STOPPING
+        async with self._sem:
+            if self._stale(live):  # cancelled or lost while waiting for a slot
+                return STALE
+            if self._stopping:  # waited for a slot past the stop: not started
+                return STOPPING
+            consumer, prepared = step.consumer, step.prepared
+            if consumer.is_async:
+                return await call_async_handler(consumer, prepared, self.metrics)
+            assert self._loop is not None
+            return await self._loop.run_in_executor(
+                self._executor, call_handler, consumer, prepared, self.metrics
+            )
 
     def _ack(self, channel: RawChannel, tracker: AckTracker, tag: int) -> None:
         """Mark for ack; written at the end of this loop iteration, coalesced (AckTracker)."""
@@ -427,155 +504,21 @@ class AsyncWorker(WorkerBase):
         except _CHANNEL_GONE:
             log.debug("acks lost with their channel; the broker redelivers those messages")
 
-    async def _handle(self, consumer: Consumer, message: DeliveredMessage) -> tuple[Action, int]:
-        props = message.header.properties
-        prepared = consumer.prepare(
-            props.message_id,
-            props.headers,
-            bool(message.delivery.redelivered),  # type: ignore[union-attr]
-            message.body,
-            props.content_type,
-            now_ms(),
-        )
-        if not isinstance(prepared, Prepared):
-            return prepared, 1
-        attempt = prepared.ctx.envelope.attempt
-        if self.metrics is not None:
-            ctx = prepared.ctx
-            self.metrics.lateness(consumer.queue, ctx.envelope.due_at_ms, ctx.received_ms)
-        key = prepared.key
-        guard = self._guard
-        if key is None or guard is None:
-            outcome = await self._call(consumer, prepared)
-            return consumer.finish(prepared, outcome, now_ms(), self._broker), attempt
-        owner = f"{self.identity}:{next(self._seq)}"
-        try:
-            claim = await guard.claim(key, owner)
-        except Exception as exc:
-            log.error("%s: idempotency store failed on claim: %r", consumer.queue, exc)
-            await asyncio.sleep(STORE_PAUSE_S)
-            return consumer.finish(prepared, Unavailable(exc), now_ms(), self._broker), attempt
-        if claim is not ClaimResult.CLAIMED:
-            return consumer.finish(prepared, claim, now_ms(), self._broker), attempt
-        claims = self._claims
-        claims[owner] = key
-        try:
-            outcome = await self._call(consumer, prepared)
-        except asyncio.CancelledError:
-            # Cut off past the shutdown timeout: release the claim, so the redelivered
-            # copy runs at once instead of waiting for the lease.
-            await self._forget_claim(owner)
-            with contextlib.suppress(Exception):
-                await guard.failed(key, owner)
-            raise
-        await self._forget_claim(owner)
-        try:
-            if outcome is None:
-                await guard.done(key, owner)
-            else:
-                await guard.failed(key, owner)
-        except Exception as exc:
-            # The handler's outcome stands; a duplicate may run again after the lease.
-            log.error("%s: idempotency store failed after the handler: %r", consumer.queue, exc)
-        return consumer.finish(prepared, outcome, now_ms(), self._broker), attempt
-
-    async def _forget_claim(self, owner: str) -> None:
-        renewing = self._renewing
-        assert renewing is not None
-        if renewing.locked():  # never release a claim the renewer is about to renew
-            async with renewing:
-                self._claims.pop(owner, None)
-        else:
-            self._claims.pop(owner, None)
-
-    async def _call(self, consumer: Consumer, prepared: Prepared) -> Outcome:
-        metrics = self.metrics
-        start = time.perf_counter() if metrics is not None else 0.0
-        try:
-            if consumer.is_async:
-                if consumer.takes_context:
-                    await consumer.handler(prepared.message, prepared.ctx)
-                else:
-                    await consumer.handler(prepared.message)
-            else:
-                assert self._loop is not None
-                call: Callable[[], Any] = (
-                    partial(consumer.handler, prepared.message, prepared.ctx)
-                    if consumer.takes_context
-                    else partial(consumer.handler, prepared.message)
-                )
-                await self._loop.run_in_executor(self._executor, call)
-        except Exception as exc:
-            return exc
-        finally:
-            if metrics is not None:
-                metrics.handler_time(consumer.queue, time.perf_counter() - start)
-        return None
-
-    async def _execute(
-        self, channel: RawChannel, tracker: AckTracker, tag: int, action: Action
-    ) -> None:
-        if isinstance(action, Ack | Skip):
-            self._ack(channel, tracker, tag)
-        elif isinstance(action, Republish | Park):
-            if channel.is_closed:  # redelivered anyway: a copy now would be one too many
-                raise aiormq.exceptions.ChannelInvalidStateError("channel closed")
-            if await self._publish(action):
-                self._ack(channel, tracker, tag)  # only once the new copy is confirmed
-            elif isinstance(action, Republish) and action.requeue_if_unsent:
-                await self._nack(channel, tracker, tag)
-            else:
-                # The broker dead-letters it into the parking exchange (reason rejected):
-                # visible, and no hot loop of redeliveries.
-                await channel.basic_reject(tag, requeue=False)
-                tracker.settled(tag)
-        elif isinstance(action, BrokerRetry):
-            # Counted towards the delivery limit and held back by the queue (4.3+ delayed
-            # retry); the count is the next attempt's number.
-            await channel.basic_reject(tag, requeue=True)
-            tracker.settled(tag)
-        else:  # Requeue: the idempotency store failed (4.3+)
-            assert isinstance(action, Requeue)
-            await self._nack(channel, tracker, tag)
-
-    async def _publish(self, action: Republish | Park) -> bool:
-        publisher = self._publisher
-        if publisher is None:
-            raise aiormq.exceptions.ChannelInvalidStateError("no connection")
-        try:
-            await publisher.publish_outgoing((action.outgoing,))
-        except (PublishError, BrokerError) as exc:
-            self.stats.publish_failures += 1
-            log.error(
-                "could not publish %s of %s to %s: %s",
-                type(action).__name__.lower(),
-                action.outgoing.message_id,
-                action.outgoing.exchange,
-                exc,
-            )
-            return False
-        return True
-
     async def _housekeeping(self, guard: AsyncGuard) -> None:
-        """Renew the leases of running handlers; purge expired records now and then."""
-        renewing = self._renewing
-        assert renewing is not None
-        every = max(guard.lease_ms / 3000, 0.05)
-        next_purge = time.monotonic() + PURGE_EVERY_S
+        """Renew the leases of running handlers; purge expired records now and then. No
+        lock is held across a store round trip."""
+        book = self.leases
         while True:
-            await asyncio.sleep(every)
-            async with renewing:
-                for owner, key in list(self._claims.items()):
-                    if owner not in self._claims:
-                        continue
-                    try:
-                        await guard.store.claim(
-                            key, owner, now_ms=guard.clock(), lease_ms=guard.lease_ms
-                        )
-                    except Exception as exc:
-                        log.warning("lease renewal failed: %r", exc)
-            if guard.store.needs_purge and time.monotonic() >= next_purge:
-                next_purge = time.monotonic() + PURGE_EVERY_S
+            await asyncio.sleep(book.every_ms / 2000)
+            for key, owner in book.due(clock_ms()):
+                try:
+                    ok = await guard.renew(key, owner)
+                except Exception as exc:
+                    log.warning("lease renewal of %s failed: %r", key, exc)
+                    continue
+                if book.renewed(owner, ok, clock_ms()):
+                    self.lease_lost(key, owner)
+            if guard.store.needs_purge and self.purge_due():
                 try:
                     await guard.purge()
                 except Exception as exc:
@@ -591,10 +534,15 @@ class AsyncWorker(WorkerBase):
         sigs = (signal.SIGINT, signal.SIGTERM)
 
         def on_signal(sig: signal.Signals) -> None:
+            if self._stop_requested:
+                log.warning("signal %s again: stopping now, abandoning running handlers", sig.name)
+                self.stop(force=True)
+                return
             log.info(
-                "signal %s: stopping (in-flight handlers get %.0fs)",
+                "signal %s: stopping (in-flight handlers get %.0fs; %s again stops at once)",
                 sig.name,
                 self.shutdown_timeout,
+                sig.name,
             )
             self.stop()
 
@@ -606,6 +554,72 @@ class AsyncWorker(WorkerBase):
                 loop.remove_signal_handler(sig)
 
         return restore
+
+
+@dataclass(slots=True, eq=False)
+class _Live:
+    """One delivery whose program is running: where it is settled."""
+
+    channel: RawChannel
+    tracker: AckTracker
+    tag: int
+    ctag: str
+
+
+class _StoreBatches:
+    """The claims (and finishes) issued in one loop turn go to the store as one batch;
+    while a batch runs, the next one gathers."""
+
+    def __init__(self, guard: AsyncGuard) -> None:
+        self.guard = guard
+        self._claims: list[tuple[str, str, asyncio.Future[object]]] = []
+        self._finishes: list[tuple[str, str, bool, asyncio.Future[object]]] = []
+        self._busy = False
+
+    def claim(self, key: str, owner: str) -> asyncio.Future[object]:
+        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self._claims.append((key, owner, future))
+        self._schedule()
+        return future
+
+    def finish(self, key: str, owner: str, succeeded: bool) -> asyncio.Future[object]:
+        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self._finishes.append((key, owner, succeeded, future))
+        self._schedule()
+        return future
+
+    def _schedule(self) -> None:
+        if not self._busy:
+            self._busy = True
+            asyncio.get_running_loop().call_soon(self._start)
+
+    def _start(self) -> None:
+        task = asyncio.ensure_future(self._run())
+        task.add_done_callback(lambda _t: None)
+
+    async def _run(self) -> None:
+        try:
+            while self._claims or self._finishes:
+                finishes, self._finishes = self._finishes, []
+                if finishes:
+                    items = [(k, o, ok) for k, o, ok, _ in finishes]
+                    await self._resolve(self.guard.finish_many(items), [f[3] for f in finishes])
+                claims, self._claims = self._claims, []
+                if claims:
+                    pairs = [(k, o) for k, o, _ in claims]
+                    await self._resolve(self.guard.claim_many(pairs), [c[2] for c in claims])
+        finally:
+            self._busy = False
+
+    @staticmethod
+    async def _resolve(batch: Any, futures: list[asyncio.Future[object]]) -> None:
+        try:
+            results = await batch
+        except Exception as exc:  # the whole batch failed: each op with that error
+            results = [exc] * len(futures)
+        for future, result in zip(futures, results, strict=True):
+            if not future.done():
+                future.set_result(result)
 
 
 async def _connect(url: str, name: str) -> AbstractConnection:

@@ -25,6 +25,7 @@ from pydantic import BaseModel, TypeAdapter
 from rabbit_delay.broker import UNKNOWN, BrokerInfo
 from rabbit_delay.consumer._context import HandlerContext, clock_ms
 from rabbit_delay.consumer._decide import (
+    DEFAULT_LEASE_MS,
     Action,
     Outcome,
     QueuePolicy,
@@ -166,10 +167,16 @@ class Consumer:
         )
 
     def finish(
-        self, prepared: Prepared, outcome: Outcome, now_ms: int, broker: BrokerInfo = UNKNOWN
+        self,
+        prepared: Prepared,
+        outcome: Outcome,
+        now_ms: int,
+        broker: BrokerInfo = UNKNOWN,
+        crashes: int = 0,
+        lease_ms: int = DEFAULT_LEASE_MS,
     ) -> Action:
         """The action once the handler (or the claim) produced `outcome`, under the
-        version rules of `broker` (the worker's connection's)."""
+        version rules of `broker` (the worker's connection's); see `decide`."""
         return decide(
             prepared.ctx.envelope,
             self.policy,
@@ -178,6 +185,8 @@ class Consumer:
             content_type=prepared.content_type,
             now_ms=now_ms,
             broker=broker,
+            crashes=crashes,
+            lease_ms=lease_ms,
         )
 
 

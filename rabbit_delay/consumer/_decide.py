@@ -8,7 +8,11 @@ attempts, tiers, parking or headers is written anywhere else.
     None (the handler returned)      Ack
     ClaimResult.DONE                 Skip(duplicate)     ack, handler not run
     ClaimResult.CANCELLED            Skip(cancelled)     ack, handler not run (tombstone)
-    ClaimResult.IN_PROGRESS          Republish(defer)    same attempt, shortest tier
+    ClaimResult.IN_PROGRESS          Republish(defer)    same attempt, after a delay that
+                                     doubles per deferral from the shortest tier, capped at
+                                     half a lease (consumer/_lease.py)
+    Crashed (lost deliveries >=      Park(crashed)       handler not run again
+    the queue's delivery_limit)
     Undecodable                      Park(decode_error | validation_error)
     Reject                           Park(rejected)
     Retry / any other exception      retry backend "tiers": Republish(retry) with
@@ -39,6 +43,7 @@ from pydantic import ValidationError
 
 from rabbit_delay import names as h
 from rabbit_delay.broker import UNKNOWN, BrokerInfo
+from rabbit_delay.consumer._lease import defer_delay_ms
 from rabbit_delay.consumer._signals import Reject, Retry
 from rabbit_delay.delays import Route, Router
 from rabbit_delay.errors import ConfigError, DelayError, UnknownTargetError
@@ -60,6 +65,9 @@ class ParkReason(StrEnum):
     REJECTED = "rejected"  # the handler raised Reject
     DECODE_ERROR = "decode_error"  # the body is not valid JSON (or not decodable at all)
     VALIDATION_ERROR = "validation_error"  # valid JSON that does not fit the model
+    # Its deliveries were lost delivery_limit times while the handler may have run (the
+    # worker died or lost its connection): a message that crashes every worker.
+    CRASHED = "crashed"
 
 
 class SkipReason(StrEnum):
@@ -98,13 +106,21 @@ class Undecodable:
 
 
 @dataclass(frozen=True, slots=True)
+class Crashed:
+    """Deliveries of the message were lost `count` times while its handler may have run,
+    reaching the queue's delivery limit: park it rather than crash another worker."""
+
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
 class Unavailable:
     """The idempotency store failed: nothing is known, so the broker keeps the message."""
 
     error: BaseException
 
 
-Outcome = None | ClaimResult | Undecodable | Unavailable | BaseException
+Outcome = None | ClaimResult | Undecodable | Unavailable | Crashed | BaseException
 
 
 # -- actions ----------------------------------------------------------------------------
@@ -189,6 +205,9 @@ class QueuePolicy:
 
     __slots__ = (
         "defer_route",
+        "defer_tiers",
+        "delivery_limit",
+        "exact_delays",
         "key",
         "max_attempts",
         "native",
@@ -197,6 +216,7 @@ class QueuePolicy:
         "retry",
         "retry_routes",
         "router",
+        "shortest_ms",
     )
 
     def __init__(self, topology: Topology, queue: str, router: Router | None = None) -> None:
@@ -212,6 +232,7 @@ class QueuePolicy:
         self.key = names.queue_key(queue)
         self.parking_exchange = names.parking_exchange()
         self.max_attempts = cfg.retry.max_attempts
+        self.delivery_limit = cfg.delivery_limit
         self.retry = cfg.retry
         # Backend "broker": a retry is a requeue of the same copy, delayed by the queue.
         self.native = cfg.retry.backend is RetryBackend.BROKER
@@ -222,12 +243,38 @@ class QueuePolicy:
                 self.retry_routes = tuple(
                     self.router.resolve(self.key, delay_ms=backoff.delay_ms(n)) for n in retries
                 )
-            self.defer_route = self.router.resolve(self.key, tier=topology.shortest_tier(queue))
+            shortest = topology.shortest_tier(queue)
+            self.shortest_ms = topology.tiers[shortest]
+            self.defer_route = self.router.resolve(self.key, tier=shortest)
+            # Deferral backoff: exact delays where the topology has them, else the
+            # longest accepted tier not above the wanted delay.
+            self.exact_delays = topology.cascade is not None or topology.plugin is not None
+            self.defer_tiers = tuple(
+                sorted(
+                    (topology.tiers[t], self.router.resolve(self.key, tier=t))
+                    for t in topology.accepted_tiers(queue)
+                )
+            )
             if backoff is None:
                 tiers = topology.retry_tiers(queue)
                 self.retry_routes = tuple(self.router.resolve(self.key, tier=t) for t in tiers)
         except (DelayError, UnknownTargetError) as exc:
             raise ConfigError(f"queues.{queue}.retry: {exc}") from None
+
+    def deferral_route(self, deferrals: int, lease_ms: int) -> Route:
+        """Where deferral number `deferrals` (1 = first) of a copy waits (see
+        consumer/_lease.defer_delay_ms)."""
+        wanted = defer_delay_ms(deferrals, self.shortest_ms, lease_ms)
+        if wanted <= self.shortest_ms:
+            return self.defer_route
+        if self.exact_delays:
+            return self.router.resolve(self.key, delay_ms=wanted)
+        route = self.defer_route
+        for ms, tier_route in self.defer_tiers:
+            if ms > wanted:
+                break
+            route = tier_route
+        return route
 
     def retry_route(self, retry_number: int) -> Route:
         """Route of retry `retry_number` (1 = first retry) through the tiers (or the
@@ -301,10 +348,30 @@ def format_traceback(exc: BaseException) -> str:
     return _tail("".join(traceback.format_exception(exc)), MAX_TRACEBACK)
 
 
-def _failure_headers(
-    env: Envelope, policy: QueuePolicy, now_ms: int, error_type: str, message: str
-) -> dict[str, object]:
+DEFAULT_LEASE_MS = 30_000
+
+
+def _carried_headers(env: Envelope, crashes: int, deferrals: int) -> dict[str, object]:
+    """The delivery's headers for a new copy: the broker's stripped, the crash count
+    (across copies) and the deferral count (of this attempt) set."""
     headers = strip_broker_headers(env.headers)
+    for name, value in ((h.H_CRASHES, crashes), (h.H_DEFERRALS, deferrals)):
+        if value > 0:
+            headers[name] = value
+        else:
+            headers.pop(name, None)
+    return headers
+
+
+def _failure_headers(
+    env: Envelope,
+    policy: QueuePolicy,
+    now_ms: int,
+    error_type: str,
+    message: str,
+    crashes: int = 0,
+) -> dict[str, object]:
+    headers = _carried_headers(env, crashes, 0)
     if h.H_FIRST_FAILURE not in headers:
         headers[h.H_FIRST_FAILURE] = policy.first_failure_ms(env, now_ms)
     headers[h.H_LAST_FAILURE] = now_ms
@@ -324,8 +391,9 @@ def _park(
     body: bytes,
     content_type: str | None,
     now_ms: int,
+    crashes: int = 0,
 ) -> Park:
-    headers = _failure_headers(env, policy, now_ms, error_type, message)
+    headers = _failure_headers(env, policy, now_ms, error_type, message, crashes)
     if trace:
         headers[h.H_ERROR_TRACEBACK] = trace
     headers[h.H_ORIGINAL_QUEUE] = policy.queue
@@ -352,12 +420,17 @@ def _same_attempt(
     content_type: str | None,
     now_ms: int,
     error: str | None = None,
+    *,
+    route: Route | None = None,
+    crashes: int = 0,
+    deferrals: int = 0,
 ) -> Republish:
-    """A copy through the shortest tier with the same attempt, message_id and headers
-    (the broker's stripped): it comes back after that tier, uncounted by any broker."""
-    headers = strip_broker_headers(env.headers)
+    """A copy through `route` (default: the shortest tier) with the same attempt,
+    message_id and headers (the broker's stripped): it comes back after that delay,
+    uncounted by any broker."""
+    headers = _carried_headers(env, crashes, deferrals)
     out = PublisherCore.outgoing(
-        policy.defer_route,
+        route or policy.defer_route,
         body,
         content_type or BINARY,
         now_ms,
@@ -377,11 +450,15 @@ def decide(
     content_type: str | None,
     now_ms: int,
     broker: BrokerInfo = UNKNOWN,
+    crashes: int = 0,
+    lease_ms: int = DEFAULT_LEASE_MS,
 ) -> Action:
     """The action for one delivery. See the module docstring for the table.
 
     `broker` is what the worker's connection said about the broker (its version rules);
-    unknown takes the conservative side.
+    unknown takes the conservative side. `crashes` is the message's count of deliveries
+    lost while its handler may have run (consumer/_lease.lost_deliveries), carried by
+    every copy; `lease_ms` the guard's lease, which caps the deferral backoff.
 
     Raises ValueError for ClaimResult.CLAIMED, which is not an outcome (run the handler).
     """
@@ -395,9 +472,20 @@ def decide(
         if outcome is ClaimResult.IN_PROGRESS:
             # Not run beside the copy in progress, and not requeued (that spins, and on a
             # quorum queue every requeue counts towards x-delivery-limit): look again
-            # after the shortest tier, same attempt. By then the copy is done (this one is
-            # skipped) or its lease has expired (this one runs).
-            return _same_attempt(env, policy, RepublishReason.DEFER, body, content_type, now_ms)
+            # later, same attempt, backing off per deferral up to half a lease. By then
+            # the copy is done (this one is skipped) or its lease ran out (this one runs).
+            deferrals = env.deferrals + 1
+            return _same_attempt(
+                env,
+                policy,
+                RepublishReason.DEFER,
+                body,
+                content_type,
+                now_ms,
+                route=policy.deferral_route(deferrals, lease_ms),
+                crashes=crashes,
+                deferrals=deferrals,
+            )
         raise ValueError(f"{outcome!r} is not an outcome: run the handler")
     if isinstance(outcome, Unavailable):
         error = f"{error_type_of(outcome.error)}: {_truncate(str(outcome.error), 200)}"
@@ -407,7 +495,32 @@ def decide(
         # have the broker dead-letter good messages. A copy through the shortest tier
         # (same attempt) waits the outage out uncounted, as a deferred duplicate does.
         return _same_attempt(
-            env, policy, RepublishReason.UNAVAILABLE, body, content_type, now_ms, error
+            env,
+            policy,
+            RepublishReason.UNAVAILABLE,
+            body,
+            content_type,
+            now_ms,
+            error,
+            crashes=crashes,
+            deferrals=env.deferrals,
+        )
+    if isinstance(outcome, Crashed):
+        return _park(
+            env,
+            policy,
+            ParkReason.CRASHED,
+            error_type="rabbit_delay.Crashed",
+            message=(
+                f"{outcome.count} deliveries of this message were lost while its handler may "
+                f"have been running (delivery_limit {policy.delivery_limit}): the handler "
+                "probably kills or hangs its worker"
+            ),
+            trace=None,
+            body=body,
+            content_type=content_type,
+            now_ms=now_ms,
+            crashes=crashes,
         )
     if isinstance(outcome, Undecodable):
         return _park(
@@ -420,6 +533,7 @@ def decide(
             body=body,
             content_type=content_type,
             now_ms=now_ms,
+            crashes=crashes,
         )
     if isinstance(outcome, Reject):
         return _park(
@@ -432,6 +546,7 @@ def decide(
             body=body,
             content_type=content_type,
             now_ms=now_ms,
+            crashes=crashes,
         )
     error_type = error_type_of(outcome)
     message = str(outcome)
@@ -446,6 +561,7 @@ def decide(
             body=body,
             content_type=content_type,
             now_ms=now_ms,
+            crashes=crashes,
         )
     note = None
     if isinstance(outcome, Retry):
@@ -460,7 +576,7 @@ def decide(
         # x-delivery-count, which is what the next attempt is counted from.
         delay_ms = policy.retry.broker_delay_ms(env.delivery_count + 1)
         return BrokerRetry(env.attempt + 1, delay_ms, summary)
-    headers = _failure_headers(env, policy, now_ms, error_type, message)
+    headers = _failure_headers(env, policy, now_ms, error_type, message, crashes)
     out = PublisherCore.outgoing(
         route, body, content_type or BINARY, now_ms, env.message_id, headers, env.attempt + 1
     )

@@ -19,7 +19,6 @@ from rabbit_delay.consumer._decide import (
     ParkReason,
     Republish,
     RepublishReason,
-    Requeue,
     Skip,
     SkipReason,
 )
@@ -51,11 +50,12 @@ class WorkerStats:
     parked: int = 0
     duplicates: int = 0  # already done: acked, not run
     cancelled: int = 0  # tombstoned: acked, not run
-    requeued: int = 0  # idempotency store failed, or not started at shutdown: nacked
+    requeued: int = 0  # nacked back: store failed (4.3+), unsent defer, not started at shutdown
     publish_failures: int = 0  # a retry/park publish failed: rejected to the broker's DLX
     stale: int = 0  # finished after its channel or consumer was lost: not acked (redelivered)
     reconnects: int = 0
     consumer_cancels: int = 0  # the broker cancelled a consumer (4.3 consumer timeout): re-consumed
+    leases_lost: int = 0  # a running handler's claim could not be renewed: a copy may run twice
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -77,8 +77,7 @@ class WorkerStats:
             self.parked += 1
         elif isinstance(action, BrokerRetry):
             self.retried += 1
-        elif isinstance(action, Requeue):
-            self.requeued += 1
+        # Requeue: counted as `requeued` once the nack is written (Settled.requeued).
 
 
 class WorkerMetrics:

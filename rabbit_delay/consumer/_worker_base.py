@@ -1,16 +1,25 @@
-"""What both workers share before any I/O: settings, identity, counters, metrics."""
+"""What both workers share before any I/O: settings, identity, counters, metrics, the
+lease book and the accounting of settled deliveries."""
 
 from __future__ import annotations
 
+import itertools
+import logging
 import threading
+import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar, TypedDict
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
 from rabbit_delay.broker import BrokerInfo
-from rabbit_delay.consumer._app import App, Consumer, Transport
+from rabbit_delay.consumer._app import App, Consumer, Prepared, Transport
+from rabbit_delay.consumer._context import clock_ms
+from rabbit_delay.consumer._decide import Outcome
+from rabbit_delay.consumer._delivery import Delivery, Program, Settled, delivery_program
+from rabbit_delay.consumer._lease import LeaseBook
 from rabbit_delay.consumer._stats import (
     WorkerMetrics,
     WorkerStats,
+    log_action,
     log_consumer_cancelled,
     worker_identity,
 )
@@ -19,6 +28,10 @@ from rabbit_delay.urls import broker_url
 
 if TYPE_CHECKING:
     from rabbit_delay.metrics import Metrics
+
+log = logging.getLogger("rabbit_delay.worker")
+
+PURGE_EVERY_S = 600.0
 
 
 class WorkerSettings(TypedDict, total=False):
@@ -81,7 +94,71 @@ class WorkerBase:
         )
         self.started = threading.Event()  # set once consuming (again after a reconnect)
         self._wanted = desired(app.topology)
+        self.guarded = any(c.idempotent for c in self.consumers)
+        self.leases = LeaseBook(app.lease_ms)
+        self._seq = itertools.count(1)
+        self._next_purge = time.monotonic() + PURGE_EVERY_S
         self._new_channel()
+
+    # -- the delivery program ---------------------------------------------------------
+
+    def program(self, consumer: Consumer, delivery: Delivery, broker: BrokerInfo) -> Program:
+        """The delivery program of one delivery (consumer/_delivery.py), with a fresh
+        owner token when it runs under the guard."""
+        owner = None
+        if self.guarded and consumer.idempotent:
+            owner = f"{self.identity}:{next(self._seq)}"
+        return delivery_program(
+            consumer,
+            delivery,
+            owner=owner,
+            broker=broker,
+            lease_ms=self.leases.lease_ms,
+            clock=clock_ms,
+        )
+
+    def account(self, settled: Settled) -> None:
+        """Count and log what became of one delivery: every counter once, here only."""
+        stats = self.stats
+        if settled.stale:
+            stats.stale += 1
+            return
+        if settled.requeued:
+            stats.requeued += 1
+        action = settled.action
+        if action is None:
+            return
+        log_action(settled.queue, settled.message_id, settled.attempt, action)
+        stats.record(action)
+        if self.metrics is not None:
+            self.metrics.handled(settled.queue, action)
+        if settled.publish_error is not None:
+            stats.publish_failures += 1
+            out = getattr(action, "outgoing", None)
+            log.error(
+                "could not publish %s of %s to %s: %s",
+                type(action).__name__.lower(),
+                settled.message_id,
+                getattr(out, "exchange", "?"),
+                settled.publish_error,
+            )
+
+    def lease_lost(self, key: str, owner: str) -> None:
+        self.stats.leases_lost += 1
+        log.warning(
+            "the lease on %s (owner %s) was lost while its handler runs: the store could not "
+            "renew it in time, or another worker took it over; a second copy may run",
+            key,
+            owner,
+        )
+
+    def purge_due(self) -> bool:
+        """True once every PURGE_EVERY_S: time to delete expired idempotency records."""
+        now = time.monotonic()
+        if now < self._next_purge:
+            return False
+        self._next_purge = now + PURGE_EVERY_S
+        return True
 
     def _new_channel(self) -> None:
         """Forget the consumer tags of the previous channel (tags never outlive theirs)."""
@@ -107,3 +184,38 @@ class WorkerBase:
         the rules `rabbit-delay declare` applies (plan.broker_requirements), e.g. retry
         backend "broker" before RabbitMQ 4.3. Raises IncompatibleBroker."""
         check_broker(self._wanted, broker)
+
+
+def call_handler(consumer: Consumer, prepared: Prepared, metrics: WorkerMetrics | None) -> Outcome:
+    """Run a plain `def` handler: None, or the exception it raised (the Run step's reply)."""
+    start = time.perf_counter() if metrics is not None else 0.0
+    try:
+        if consumer.takes_context:
+            consumer.handler(prepared.message, prepared.ctx)
+        else:
+            consumer.handler(prepared.message)
+    except Exception as exc:
+        return exc
+    finally:
+        if metrics is not None:
+            metrics.handler_time(consumer.queue, time.perf_counter() - start)
+    return None
+
+
+async def call_async_handler(
+    consumer: Consumer, prepared: Prepared, metrics: WorkerMetrics | None
+) -> Outcome:
+    """`call_handler` for an `async def` handler."""
+    start = time.perf_counter() if metrics is not None else 0.0
+    handler: Any = consumer.handler
+    try:
+        if consumer.takes_context:
+            await handler(prepared.message, prepared.ctx)
+        else:
+            await handler(prepared.message)
+    except Exception as exc:
+        return exc
+    finally:
+        if metrics is not None:
+            metrics.handler_time(consumer.queue, time.perf_counter() - start)
+    return None

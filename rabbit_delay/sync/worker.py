@@ -1,19 +1,30 @@
 """The synchronous worker: pika, with handlers in a pool of threads.
 
+A driver of the delivery program (`rabbit_delay.consumer._delivery`): it decides
+nothing about a delivery, it executes the program's steps.
+
 Threading model. pika is not thread-safe, so one thread (the one calling `run()`)
-owns the connection: it receives deliveries, acks, and publishes retries and parked
-messages. Handlers run on `concurrency` pool threads; each finished delivery is put
-on a results queue and the connection thread is woken with
-`connection.add_callback_threadsafe` (at most one wake-up pending at a time), where
-the action decided by the core (`rabbit_delay.consumer.decide`) is executed.
+owns the connection and executes every step but Run: claims and finishes (the ones of
+a prefetched batch go to the idempotency store together, in one transaction or one
+round trip), publishes, acks, nacks and rejects. Handlers (the Run steps) run on
+`concurrency` pool threads; each finished one is put on a results queue and the
+connection thread is woken with `connection.add_callback_threadsafe` (at most one
+wake-up pending at a time). A housekeeping thread renews the leases of running
+handlers (it holds no lock across a store round trip) and purges expired records.
 
 Delivery tags are only valid on the channel that delivered them: every delivery
-carries the generation of its channel, and a result from an older generation (the
-connection was lost meanwhile) is dropped, never acked. The broker redelivers that
-message; the idempotency guard knows whether its handler already ran. The same holds
-for the deliveries of a consumer the broker cancelled (RabbitMQ 4.3 cancels a quorum
-consumer over `consumer_timeout` instead of closing its channel): their results are
+carries the generation of its channel, and a delivery of an older generation (the
+connection was lost meanwhile) is answered STALE, never acked. The broker redelivers
+that message; the idempotency guard knows whether its handler already ran. The same
+holds for the deliveries of a consumer the broker cancelled (RabbitMQ 4.3 cancels a
+quorum consumer over `consumer_timeout` instead of closing its channel): they are
 dropped, and the queue is consumed again on the same channel.
+
+Shutdown: consumers are cancelled, running handlers get `shutdown_timeout`; past it
+the connection is closed (the broker redelivers what is unacked) and the worker still
+waits for the running handlers to record their results, so the store is never closed
+under one. A second SIGINT/SIGTERM (or `stop(force=True)`) stops at once: running
+handlers are abandoned like a crash, and their claims run out after the lease.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import signal
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from functools import partial
 from queue import SimpleQueue
 from types import FrameType
@@ -35,29 +47,27 @@ import pika.spec
 from pika.adapters.blocking_connection import BlockingChannel
 
 from rabbit_delay.broker import UNKNOWN, BrokerInfo
-from rabbit_delay.consumer import (
-    Ack,
-    Action,
-    App,
-    BrokerRetry,
-    Consumer,
-    Outcome,
-    Park,
-    Prepared,
-    Republish,
-    Requeue,
-    Skip,
-    Transport,
-    Unavailable,
-)
+from rabbit_delay.consumer import App, Consumer, Transport
 from rabbit_delay.consumer._acks import AckTracker
-from rabbit_delay.consumer._context import clock_ms as now_ms
-from rabbit_delay.consumer._stats import (
-    WorkerMetrics,
-    log_action,
-    log_connection_lost,
+from rabbit_delay.consumer._context import clock_ms
+from rabbit_delay.consumer._delivery import (
+    STALE,
+    STOPPING,
+    Claim,
+    Delivery,
+    Finish,
+    Pause,
+    Program,
+    Publish,
+    Run,
+    Settled,
+    Step,
+    WriteAck,
+    WriteNack,
+    WriteReject,
 )
-from rabbit_delay.consumer._worker_base import WorkerBase, WorkerSettings
+from rabbit_delay.consumer._stats import log_connection_lost
+from rabbit_delay.consumer._worker_base import WorkerBase, WorkerSettings, call_handler
 from rabbit_delay.errors import (
     BrokerError,
     BrokerUnavailable,
@@ -74,8 +84,6 @@ from rabbit_delay.urls import redact
 log = logging.getLogger("rabbit_delay.worker")
 
 POLL_S = 0.2  # how often the connection thread looks at the stop flag when idle
-STORE_PAUSE_S = 1.0  # back-pressure when the idempotency store fails
-PURGE_EVERY_S = 600.0
 _CONNECTION_ERRORS = (
     pika.exceptions.AMQPConnectionError,
     pika.exceptions.ConnectionClosed,
@@ -86,11 +94,16 @@ _CONNECTION_ERRORS = (
     OSError,
 )
 
-# (generation, consumer, consumer tag, delivery tag, redelivered, properties, body)
-_Job = tuple[int, Consumer, str, int, bool, pika.spec.BasicProperties, bytes]
-# (generation, consumer, consumer tag, delivery tag, message_id, attempt,
-#  action or None = not started)
-_Result = tuple[int, Consumer, str, int, str | None, int, Action | None]
+
+@dataclass(slots=True, eq=False)
+class _Live:
+    """One delivery whose program is running."""
+
+    gen: int  # the channel generation it came on
+    consumer: Consumer
+    ctag: str
+    tag: int
+    program: Program
 
 
 class Worker(WorkerBase):
@@ -114,10 +127,9 @@ class Worker(WorkerBase):
         self, app: App, url: str | None = None, **settings: Unpack[WorkerSettings]
     ) -> None:
         super().__init__(app, url, **settings)
-        self._guard: Guard | None = (
-            app.guard() if any(c.idempotent for c in self.consumers) else None
-        )
+        self._guard: Guard | None = app.guard() if self.guarded else None
         self._stop = threading.Event()
+        self._force = threading.Event()  # abandon running handlers (second signal)
         self._stopping = False  # set on the connection thread when the drain begins
         self._gen = 0
         self._conn: pika.BlockingConnection | None = None
@@ -127,18 +139,25 @@ class Worker(WorkerBase):
         self._resubscribe: list[Consumer] = []  # cancelled by the broker, to consume again
         self._tracker = AckTracker()
         self._inflight = 0  # deliveries of the current channel not yet settled
-        self._jobs: SimpleQueue[_Job | None] = SimpleQueue()
-        self._results: deque[_Result] = deque()
+        self._running = 0  # Run steps handed to the handler threads, not yet back
+        self._jobs: SimpleQueue[tuple[_Live, Run] | None] = SimpleQueue()
+        self._results: deque[tuple[_Live, object]] = deque()
+        self._claims: list[tuple[_Live, Claim]] = []  # waiting for the next store batch
+        self._finishes: list[tuple[_Live, Finish]] = []
+        self._pause = 0.0
         self._wake_pending = False
-        self._seq = iter(range(1, 1 << 62))
-        self._claims: dict[str, str] = {}  # owner -> key, for lease renewal
-        self._claims_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        self._housekeeper: threading.Thread | None = None
+        self._done = threading.Event()  # stops the housekeeping thread
 
     # -- public ------------------------------------------------------------------------
 
-    def stop(self) -> None:
-        """Ask the worker to stop: cancel consumers, finish in-flight handlers. Thread-safe."""
+    def stop(self, *, force: bool = False) -> None:
+        """Ask the worker to stop: cancel consumers, finish in-flight handlers. With
+        `force`, stop at once and abandon running handlers (their claims run out after
+        the lease). Thread-safe."""
+        if force:
+            self._force.set()
         self._stop.set()
         self._wake()
 
@@ -163,16 +182,23 @@ class Worker(WorkerBase):
                 except _CONNECTION_ERRORS as exc:
                     if self._stop.is_set():
                         break
-                    log_connection_lost(redact(repr(exc)), self._queue_names())
+                    log_connection_lost(self._why(exc), self._queue_names())
                     self._lost()
                     self._reconnect()
             if self._conn is not None:
                 self._shutdown()
+            self._wait_running()
         finally:
             self._stop.set()
             self._close_connection()
             for _ in self._threads:
                 self._jobs.put(None)
+            self._done.set()
+            if self._housekeeper is not None:
+                self._housekeeper.join(timeout=5)
+            if not self._force.is_set():
+                for t in self._threads:
+                    t.join(timeout=1)
             restore()
             log.info("worker %s stopped: %s", self.identity, self.stats.as_dict())
 
@@ -193,8 +219,18 @@ class Worker(WorkerBase):
                 raise pika.exceptions.ChannelWrongStateError("the consuming channel closed")
             if self._resubscribe:
                 self._consume_again()
-            if self._results:
-                self._drain()
+            self._drain()
+
+    def _why(self, exc: BaseException) -> str:
+        """The broker's reason for a closed channel (consumer timeout, unknown delivery
+        tag, ...), where pika only raised 'Channel is closed'."""
+        channel = self._channel
+        reason = getattr(channel, "_closing_reason", None) if channel is not None else None
+        if isinstance(exc, pika.exceptions.ChannelWrongStateError) and isinstance(
+            reason, pika.exceptions.ChannelClosed
+        ):
+            exc = reason
+        return redact(repr(exc))
 
     def _queue_names(self) -> list[str]:
         names = self.app.topology.names
@@ -288,11 +324,13 @@ class Worker(WorkerBase):
                 channel.basic_cancel(tag)
             deadline = time.monotonic() + self.shutdown_timeout
             while self._inflight > 0 and time.monotonic() < deadline:
+                if self._force.is_set():
+                    break
                 conn.process_data_events(time_limit=0.05)
-                if self._results:
-                    self._drain()
+                self._drain()
         except _CONNECTION_ERRORS as exc:
-            log.warning("connection lost during shutdown (%s)", redact(repr(exc)))
+            log.warning("connection lost during shutdown (%s)", self._why(exc))
+            self._gen += 1
             return
         if self._inflight:
             log.warning(
@@ -301,7 +339,25 @@ class Worker(WorkerBase):
                 self.shutdown_timeout,
                 self._inflight,
             )
+        self._gen += 1  # what settles from now on cannot be acked
         self._close_connection()
+
+    def _wait_running(self) -> None:
+        """After the connection closed: let running handlers record their results in the
+        store (done or released), so it is never closed under one. A forced stop skips
+        this: their claims run out after the lease."""
+        last_note = time.monotonic()
+        while (self._running or self._results) and not self._force.is_set():
+            time.sleep(0.05)
+            self._drain()
+            if time.monotonic() - last_note >= 10:
+                last_note = time.monotonic()
+                log.warning(
+                    "waiting for %d running handler(s) to finish (SIGINT/SIGTERM again to "
+                    "abandon them: their messages run again after the lease)",
+                    self._running,
+                )
+        self._drain()
 
     def _on_message(
         self,
@@ -315,9 +371,116 @@ class Worker(WorkerBase):
         self.stats.received += 1
         tag: int = method.delivery_tag
         self._tracker.delivered(tag)
-        redelivered = bool(method.redelivered)
-        ctag = str(method.consumer_tag)
-        self._jobs.put((self._gen, consumer, ctag, tag, redelivered, props, body))
+        delivery = Delivery(
+            props.message_id,
+            props.headers,
+            bool(method.redelivered),
+            body,
+            props.content_type,
+            clock_ms(),
+        )
+        program = self.program(consumer, delivery, self._broker)
+        live = _Live(self._gen, consumer, str(method.consumer_tag), tag, program)
+        self._advance(live, None)
+
+    # -- executing the delivery program (connection thread) -------------------------------
+
+    def _stale(self, live: _Live) -> bool:
+        return live.gen != self._gen or live.ctag in self._cancelled
+
+    def _advance(self, live: _Live, reply: object) -> None:
+        """Run `live`'s program until it waits: for the store (batched), a handler thread,
+        or its end."""
+        program = live.program
+        while True:
+            try:
+                step: Step = program.send(reply)
+            except StopIteration as stop:
+                self._settled(live, stop.value)
+                return
+            if isinstance(step, Finish):  # always executed: the handler did run
+                self._finishes.append((live, step))
+                return
+            if self._stale(live):
+                reply = STALE
+            elif isinstance(step, Claim):
+                if self._stopping:
+                    reply = STOPPING
+                else:
+                    self._claims.append((live, step))
+                    return
+            elif isinstance(step, Run):
+                if self._stopping:
+                    reply = STOPPING
+                else:
+                    self._running += 1
+                    self._jobs.put((live, step))
+                    return
+            elif isinstance(step, Pause):
+                self._pause = max(self._pause, step.seconds)
+                reply = None
+            else:
+                reply = self._settle_step(live, step)
+
+    def _settle_step(self, live: _Live, step: Publish | WriteAck | WriteNack | WriteReject) -> Any:
+        channel = self._channel
+        assert channel is not None
+        if isinstance(step, WriteAck):
+            self._tracker.acked(live.tag)  # written at the end of the drain, coalesced
+            return None
+        if isinstance(step, Publish):
+            return self._publish(step)
+        if isinstance(step, WriteNack):
+            channel.basic_nack(live.tag, multiple=False, requeue=True)
+        else:
+            channel.basic_reject(live.tag, requeue=step.requeue)
+        self._tracker.settled(live.tag)
+        return None
+
+    def _settled(self, live: _Live, settled: Settled) -> None:
+        if live.gen == self._gen:
+            self._inflight -= 1
+            if settled.stale:  # its consumer was cancelled: never acked on this channel
+                self._tracker.settled(live.tag)
+        self.account(settled)
+
+    def _publish(self, step: Publish) -> Exception | None:
+        try:
+            if self._publisher is None:
+                assert self._conn is not None
+                self._publisher = Publisher(self.app.topology, connection=self._conn)
+            self._publisher.publish_outgoing((step.outgoing,))
+        except (PublishError, BrokerError) as exc:
+            if isinstance(exc, BrokerError):  # its channel is gone: open another next time
+                self._publisher = None
+            return exc
+        return None
+
+    def _store_batches(self) -> None:
+        """The claims and finishes the programs wait for, each kind in one store batch."""
+        guard = self._guard
+        while self._claims or self._finishes:
+            if self._finishes:
+                finishes, self._finishes = self._finishes, []
+                for _, step in finishes:
+                    if self.leases.drop(step.owner):
+                        log.warning("%s finished after its lease was lost", step.key)
+                assert guard is not None
+                done = guard.finish_many([(s.key, s.owner, s.succeeded) for _, s in finishes])
+                for (live, _), finished in zip(finishes, done, strict=True):
+                    self._advance(live, finished)
+            if self._claims:
+                claims, self._claims = self._claims, []
+                assert guard is not None
+                results = guard.claim_many([(s.key, s.owner) for _, s in claims])
+                now = clock_ms()
+                for (live, claim), result in zip(claims, results, strict=True):
+                    if result is ClaimResult.CLAIMED:
+                        self.leases.hold(claim.key, claim.owner, now)
+                    self._advance(live, result)
+        if self._pause:
+            pause, self._pause = self._pause, 0.0
+            time.sleep(pause)  # back-pressure: the store is failing
 
     def _wake(self) -> None:
         conn = self._conn
@@ -333,87 +496,14 @@ class Worker(WorkerBase):
         self._wake_pending = False
         results = self._results
         while results:
-            gen, consumer, ctag, tag, message_id, attempt, action = results.popleft()
-            if gen != self._gen:
-                self.stats.stale += 1
-                continue
-            self._inflight -= 1
-            if ctag in self._cancelled:
-                # The broker cancelled its consumer and took the message back: it is
-                # redelivered to the new consumer; a copy or an ack now would be one too many.
-                self.stats.stale += 1
-                self._tracker.settled(tag)
-                continue
-            self._execute(consumer, tag, message_id, attempt, action)
+            live, outcome = results.popleft()
+            self._running -= 1
+            self._advance(live, outcome)
+        self._store_batches()
         channel = self._channel
-        if channel is not None:
+        if channel is not None and channel.is_open:
             for tag, multiple in self._tracker.flush():  # acks coalesced where exact
                 channel.basic_ack(tag, multiple=multiple)
-
-    def _execute(
-        self,
-        consumer: Consumer,
-        tag: int,
-        message_id: str | None,
-        attempt: int,
-        action: Action | None,
-    ) -> None:
-        channel, tracker = self._channel, self._tracker
-        assert channel is not None
-        if action is None:  # not started before the shutdown: hand it back now
-            self._nack(tag)
-            return
-        log_action(consumer.queue, message_id, attempt, action)
-        self.stats.record(action)
-        if self.metrics is not None:
-            self.metrics.handled(consumer.queue, action)
-        if isinstance(action, Ack | Skip):
-            tracker.acked(tag)  # written at the end of the drain, coalesced (AckTracker)
-        elif isinstance(action, Republish | Park):
-            if self._publish(action):
-                tracker.acked(tag)  # only once the new copy is confirmed
-            elif isinstance(action, Republish) and action.requeue_if_unsent:
-                self._nack(tag)
-            else:
-                # The broker dead-letters it into the parking exchange (reason rejected):
-                # visible, and no hot loop of redeliveries.
-                channel.basic_reject(tag, requeue=False)
-                tracker.settled(tag)
-        elif isinstance(action, BrokerRetry):
-            # Counted towards the delivery limit and held back by the queue (4.3+ delayed
-            # retry); the count is the next attempt's number.
-            channel.basic_reject(tag, requeue=True)
-            tracker.settled(tag)
-        else:  # Requeue: the idempotency store failed (4.3+), or an unexpected error
-            self._nack(tag)
-
-    def _nack(self, tag: int) -> None:
-        """Hand one delivery back (not started, or the store failed): nack, not reject,
-        so from RabbitMQ 4.3 it does not count towards a quorum queue's delivery limit."""
-        assert self._channel is not None
-        self._channel.basic_nack(tag, multiple=False, requeue=True)
-        self._tracker.settled(tag)
-        self.stats.requeued += 1
-
-    def _publish(self, action: Republish | Park) -> bool:
-        try:
-            if self._publisher is None:
-                assert self._conn is not None
-                self._publisher = Publisher(self.app.topology, connection=self._conn)
-            self._publisher.publish_outgoing((action.outgoing,))
-        except (PublishError, BrokerError) as exc:
-            self.stats.publish_failures += 1
-            if isinstance(exc, BrokerError):  # its channel is gone: open another next time
-                self._publisher = None
-            log.error(
-                "could not publish %s of %s to %s: %s",
-                type(action).__name__.lower(),
-                action.outgoing.message_id,
-                action.outgoing.exchange,
-                exc,
-            )
-            return False
-        return True
 
     # -- handler threads -------------------------------------------------------------------
 
@@ -423,8 +513,13 @@ class Worker(WorkerBase):
             t.start()
             self._threads.append(t)
         if self._guard is not None:
-            t = threading.Thread(target=self._housekeeping, name="rabbit-delay-lease", daemon=True)
-            t.start()
+            self._housekeeper = threading.Thread(
+                target=self._housekeeping,
+                args=(self._guard,),
+                name="rabbit-delay-lease",
+                daemon=True,
+            )
+            self._housekeeper.start()
 
     def _work(self) -> None:
         jobs, results = self._jobs, self._results
@@ -432,85 +527,36 @@ class Worker(WorkerBase):
             job = jobs.get()
             if job is None:
                 return
-            gen, consumer, ctag, tag, redelivered, props, body = job
-            if gen != self._gen:
-                continue  # its channel is gone: the broker redelivers it
-            action: Action | None = None
-            message_id = props.message_id
-            attempt = 0
-            if not self._stopping and ctag not in self._cancelled:
+            live, step = job
+            reply: object
+            if self._stale(live):
+                reply = STALE  # its channel or consumer is gone: the broker redelivers it
+            elif self._stopping:
+                reply = STOPPING
+            else:
                 try:
-                    action, attempt = self._handle(consumer, redelivered, props, body)
-                except BaseException as exc:  # never leave a delivery unsettled
-                    log.exception("%s: unexpected worker error", consumer.queue)
-                    action = Requeue(repr(exc))
-            results.append((gen, consumer, ctag, tag, message_id, attempt, action))
+                    reply = call_handler(step.consumer, step.prepared, self.metrics)
+                except BaseException as exc:  # a KeyboardInterrupt-like escape: a failure
+                    reply = RuntimeError(f"handler escaped with {exc!r}")
+            results.append((live, reply))
             if not self._wake_pending:
                 self._wake_pending = True
                 self._wake()
 
-    def _handle(
-        self,
-        consumer: Consumer,
-        redelivered: bool,
-        props: pika.spec.BasicProperties,
-        body: bytes,
-    ) -> tuple[Action, int]:
-        prepared = consumer.prepare(
-            props.message_id, props.headers, redelivered, body, props.content_type, now_ms()
-        )
-        if not isinstance(prepared, Prepared):
-            return prepared, 1
-        attempt = prepared.ctx.envelope.attempt
-        if self.metrics is not None:
-            ctx = prepared.ctx
-            self.metrics.lateness(consumer.queue, ctx.envelope.due_at_ms, ctx.received_ms)
-        key = prepared.key
-        guard = self._guard
-        if key is None or guard is None:
-            outcome = _call(consumer, prepared, self.metrics)
-            return consumer.finish(prepared, outcome, now_ms(), self._broker), attempt
-        owner = f"{self.identity}:{next(self._seq)}"
-        try:
-            claim = guard.claim(key, owner)
-        except Exception as exc:
-            log.error("%s: idempotency store failed on claim: %r", consumer.queue, exc)
-            time.sleep(STORE_PAUSE_S)
-            return consumer.finish(prepared, Unavailable(exc), now_ms(), self._broker), attempt
-        if claim is not ClaimResult.CLAIMED:
-            return consumer.finish(prepared, claim, now_ms(), self._broker), attempt
-        claims, lock = self._claims, self._claims_lock
-        with lock:
-            claims[owner] = key
-        outcome = _call(consumer, prepared, self.metrics)
-        with lock:  # after this, the lease renewer no longer touches this claim
-            del claims[owner]
-        try:
-            if outcome is None:
-                guard.done(key, owner)
-            else:
-                guard.failed(key, owner)
-        except Exception as exc:
-            # The handler's outcome stands; a duplicate may run again after the lease.
-            log.error("%s: idempotency store failed after the handler: %r", consumer.queue, exc)
-        return consumer.finish(prepared, outcome, now_ms(), self._broker), attempt
-
-    def _housekeeping(self) -> None:
-        """Renew the leases of running handlers; purge expired records now and then."""
-        guard = self._guard
-        assert guard is not None
-        every = max(guard.lease_ms / 3000, 0.05)
-        next_purge = time.monotonic() + PURGE_EVERY_S
-        while not self._stop.wait(every):
-            with self._claims_lock:
-                held = list(self._claims.items())
-                for owner, key in held:
-                    try:
-                        guard.store.claim(key, owner, now_ms=guard.clock(), lease_ms=guard.lease_ms)
-                    except Exception as exc:
-                        log.warning("lease renewal failed: %r", exc)
-            if guard.store.needs_purge and time.monotonic() >= next_purge:
-                next_purge = time.monotonic() + PURGE_EVERY_S
+    def _housekeeping(self, guard: Guard) -> None:
+        """Renew the leases of running handlers; purge expired records now and then. No
+        lock is held across a store round trip."""
+        book = self.leases
+        while not self._done.wait(book.every_ms / 2000):
+            for key, owner in book.due(clock_ms()):
+                try:
+                    ok = guard.renew(key, owner)
+                except Exception as exc:
+                    log.warning("lease renewal of %s failed: %r", key, exc)
+                    continue
+                if book.renewed(owner, ok, clock_ms()):
+                    self.lease_lost(key, owner)
+            if guard.store.needs_purge and self.purge_due():
                 try:
                     guard.purge()
                 except Exception as exc:
@@ -525,11 +571,17 @@ class Worker(WorkerBase):
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
         def on_signal(signum: int, _frame: FrameType | None) -> None:
-            # Only set the flag here: the loop polls it (pika is not reentrant).
+            # Only set flags here: the loop polls them (pika is not reentrant).
+            name = signal.Signals(signum).name
+            if self._stop.is_set():
+                log.warning("signal %s again: stopping now, abandoning running handlers", name)
+                self._force.set()
+                return
             log.info(
-                "signal %s: stopping (in-flight handlers get %.0fs)",
-                signal.Signals(signum).name,
+                "signal %s: stopping (in-flight handlers get %.0fs; %s again stops at once)",
+                name,
                 self.shutdown_timeout,
+                name,
             )
             self._stop.set()
 
@@ -541,21 +593,6 @@ class Worker(WorkerBase):
                 signal.signal(sig, handler)
 
         return restore
-
-
-def _call(consumer: Consumer, prepared: Prepared, metrics: WorkerMetrics | None) -> Outcome:
-    start = time.perf_counter() if metrics is not None else 0.0
-    try:
-        if consumer.takes_context:
-            consumer.handler(prepared.message, prepared.ctx)
-        else:
-            consumer.handler(prepared.message)
-    except Exception as exc:
-        return exc
-    finally:
-        if metrics is not None:
-            metrics.handler_time(consumer.queue, time.perf_counter() - start)
-    return None
 
 
 def _check_queue(conn: pika.BlockingConnection, queue_name: str) -> None:

@@ -1,0 +1,285 @@
+"""The delivery program: every decision a worker makes about one delivery. Pure.
+
+Both workers drive this generator, the way the declarers drive `plan.declare_program`:
+it yields a step, the driver executes it and sends back the reply, until the program
+returns what happened (`Settled`). The drivers decide nothing: not whether to claim,
+what to publish, when to ack, reject or requeue, nor what a failed publish means.
+
+    step                       the driver                         reply
+    -------------------------  ---------------------------------  --------------------------
+    Claim(key, owner)          claims the key; keeps the lease    ClaimResult, or the store's
+                               renewed until Finish               exception
+    Run(consumer, prepared)    calls the handler                  None, or its exception
+    Finish(key, owner, ok)     records done (ok) or releases      None, or the store's
+                               the claim; stops renewing it       exception
+    Pause(seconds)             waits (the store is failing)       None
+    Publish(outgoing)          publishes, confirmed               None, or the PublishError /
+                                                                  BrokerError
+    WriteAck / WriteNack /     basic.ack / basic.nack(requeue) /  None
+    WriteReject(requeue)       basic.reject on the delivery's
+                               channel
+
+To any step but Finish, a driver may reply STALE (the delivery's channel or consumer is
+gone: the broker redelivers it, so nothing may be acked or copied) or STOPPING (the
+worker is shutting down and the handler has not started: hand it back). Finish is always
+executed: the handler did run, and its result must be recorded.
+
+Under the guard the sync worker runs every step but Run on its connection thread, so
+the claims (and finishes) of a prefetched batch go to the store together; the async
+worker runs each program in a task of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Generator, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from rabbit_delay.broker import BrokerInfo
+from rabbit_delay.consumer._app import Consumer, Prepared
+from rabbit_delay.consumer._decide import (
+    Ack,
+    Action,
+    BrokerRetry,
+    Crashed,
+    Outcome,
+    Park,
+    Republish,
+    Skip,
+    Unavailable,
+)
+from rabbit_delay.consumer._lease import lost_deliveries, may_have_run
+from rabbit_delay.idempotency import ClaimResult
+from rabbit_delay.message import Outgoing
+
+log = logging.getLogger("rabbit_delay.worker")
+
+STORE_PAUSE_S = 1.0  # back-pressure when the idempotency store fails
+
+
+class Signal(Enum):
+    """Replies that are not results: the delivery can no longer be settled, or the
+    worker is stopping before its handler started."""
+
+    STALE = "stale"
+    STOPPING = "stopping"
+
+
+STALE = Signal.STALE
+STOPPING = Signal.STOPPING
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One delivery as the broker handed it out (the transport's fields copied)."""
+
+    message_id: str | None
+    headers: Mapping[str, Any] | None
+    redelivered: bool
+    body: bytes
+    content_type: str | None
+    received_ms: int
+
+
+# -- steps ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    key: str
+    owner: str
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    consumer: Consumer
+    prepared: Prepared
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    key: str
+    owner: str
+    succeeded: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    outgoing: Outgoing
+    kind: str  # "republish" or "park", for the log
+
+
+@dataclass(frozen=True, slots=True)
+class WriteAck:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class WriteNack:
+    """basic.nack(requeue=True): from RabbitMQ 4.3 it does not count towards a quorum
+    queue's delivery limit (a reject does)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WriteReject:
+    requeue: bool
+
+
+Step = Claim | Run | Finish | Pause | Publish | WriteAck | WriteNack | WriteReject
+SettleStep = Publish | WriteAck | WriteNack | WriteReject
+
+WRITE_ACK = WriteAck()
+WRITE_NACK = WriteNack()
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """What became of one delivery: the workers count and log exactly this, once."""
+
+    queue: str
+    message_id: str | None
+    attempt: int
+    action: Action | None  # None: handed back before its handler started
+    stale: bool = False  # its channel or consumer was gone: the broker redelivers it
+    requeued: bool = False  # nacked back to the queue
+    publish_error: str | None = None  # the copy could not be published (and why)
+
+
+Program = Generator[Step, object, Settled]
+
+
+def delivery_program(
+    consumer: Consumer,
+    delivery: Delivery,
+    *,
+    owner: str | None,
+    broker: BrokerInfo,
+    lease_ms: int,
+    clock: Callable[[], int],
+) -> Program:
+    """The steps of one delivery. `owner` is the idempotency owner token of this
+    delivery (None: the worker runs without a guard)."""
+    prepared = consumer.prepare(
+        delivery.message_id,
+        delivery.headers,
+        delivery.redelivered,
+        delivery.body,
+        delivery.content_type,
+        delivery.received_ms,
+    )
+    if not isinstance(prepared, Prepared):  # undecodable: parked without a claim
+        return (yield from _settle(consumer, delivery.message_id, 1, prepared))
+    env = prepared.ctx.envelope
+    policy = consumer.policy
+    if not prepared.ctx.redelivered and may_have_run(env, delivery.redelivered):
+        ctx = dataclasses.replace(prepared.ctx, redelivered=True)
+        prepared = dataclasses.replace(prepared, ctx=ctx)
+
+    def finish(outcome: Outcome, crashes: int) -> Action:
+        return consumer.finish(prepared, outcome, clock(), broker, crashes, lease_ms)
+
+    def settle(action: Action) -> Generator[Step, object, Settled]:
+        return _settle(consumer, env.message_id, env.attempt, action)
+
+    key = prepared.key if owner is not None else None
+    if key is None or owner is None:  # no guard: the broker's counts are all there is
+        crashes = lost_deliveries(env, delivery.redelivered, native=policy.native, held=False)
+        if crashes >= policy.delivery_limit:
+            return (yield from settle(finish(Crashed(crashes), crashes)))
+        outcome = yield Run(consumer, prepared)
+        if outcome is STOPPING:
+            return (yield from _hand_back(consumer, env.message_id, env.attempt))
+        if outcome is STALE:
+            return Settled(consumer.queue, env.message_id, env.attempt, None, stale=True)
+        return (yield from settle(finish(_outcome(outcome), crashes)))
+
+    claim = yield Claim(key, owner)
+    if claim is STALE:
+        return Settled(consumer.queue, env.message_id, env.attempt, None, stale=True)
+    if claim is STOPPING:
+        return (yield from _hand_back(consumer, env.message_id, env.attempt))
+    if isinstance(claim, Exception):
+        log.error("%s: idempotency store failed on claim: %r", consumer.queue, claim)
+        yield Pause(STORE_PAUSE_S)
+        crashes = lost_deliveries(env, delivery.redelivered, native=policy.native, held=False)
+        return (yield from settle(finish(Unavailable(claim), crashes)))
+    assert isinstance(claim, ClaimResult)
+    held = claim is ClaimResult.IN_PROGRESS
+    crashes = lost_deliveries(env, delivery.redelivered, native=policy.native, held=held)
+    if claim is ClaimResult.CLAIMED:
+        if crashes >= policy.delivery_limit:
+            yield Finish(key, owner, False)
+            return (yield from settle(finish(Crashed(crashes), crashes)))
+        outcome = yield Run(consumer, prepared)
+        if outcome is STOPPING or outcome is STALE:  # not started: give the key back
+            yield Finish(key, owner, False)
+            if outcome is STALE:
+                return Settled(consumer.queue, env.message_id, env.attempt, None, stale=True)
+            return (yield from _hand_back(consumer, env.message_id, env.attempt))
+        result = _outcome(outcome)
+        stored = yield Finish(key, owner, result is None)
+        if isinstance(stored, Exception):
+            # The handler's outcome stands; a duplicate may run again after the lease.
+            log.error("%s: idempotency store failed after the handler: %r", consumer.queue, stored)
+        return (yield from settle(finish(result, crashes)))
+    if held and crashes >= policy.delivery_limit:
+        return (yield from settle(finish(Crashed(crashes), crashes)))
+    return (yield from settle(finish(claim, crashes)))
+
+
+def _outcome(reply: object) -> Outcome:
+    if reply is None or isinstance(reply, BaseException):
+        return reply
+    raise TypeError(f"a Run step's reply must be None or an exception, got {reply!r}")
+
+
+def _hand_back(consumer: Consumer, message_id: str | None, attempt: int) -> Program:
+    """Not started before the shutdown: nack it back for another worker, at once."""
+    reply = yield WRITE_NACK
+    stale = reply is STALE
+    return Settled(consumer.queue, message_id, attempt, None, stale=stale, requeued=not stale)
+
+
+def _settle(
+    consumer: Consumer, message_id: str | None, attempt: int, action: Action
+) -> Generator[Step, object, Settled]:
+    """Execute `action` on the broker: ack, or publish the copy and only then ack, or
+    hand the delivery back."""
+    settled = Settled(consumer.queue, message_id, attempt, action)
+    if isinstance(action, Ack | Skip):
+        reply = yield WRITE_ACK
+    elif isinstance(action, Republish | Park):
+        kind = "park" if isinstance(action, Park) else "republish"
+        published = yield Publish(action.outgoing, kind)
+        if published is STALE:
+            return dataclasses.replace(settled, stale=True)
+        if published is None:
+            reply = yield WRITE_ACK  # only once the new copy is confirmed
+        else:
+            settled = dataclasses.replace(settled, publish_error=str(published))
+            if isinstance(action, Republish) and action.requeue_if_unsent:
+                # A defer or a store outage is no fault of the message: hand it back.
+                reply = yield WRITE_NACK
+                settled = dataclasses.replace(settled, requeued=True)
+            else:
+                # The broker dead-letters it into the parking exchange (reason rejected):
+                # visible, and no hot loop of redeliveries.
+                reply = yield WriteReject(requeue=False)
+    elif isinstance(action, BrokerRetry):
+        # Counted towards the delivery limit and held back by the queue (4.3+ delayed
+        # retry); the count is the next attempt's number.
+        reply = yield WriteReject(requeue=True)
+    else:  # Requeue: the idempotency store failed (4.3+), or an unexpected error
+        reply = yield WRITE_NACK
+        settled = dataclasses.replace(settled, requeued=True)
+    if reply is STALE:
+        return dataclasses.replace(settled, stale=True, requeued=False)
+    return settled
