@@ -377,9 +377,12 @@ class App:
         in every queue of the topology (or only in `queue`).
 
         The tombstone lives for the app's retention (7 days by default); give a longer
-        `retention` for a message due later than that. Raises ValueError for an empty
-        key, ConfigError for an unknown queue or an async-only store (use `acancel`),
-        and the store's errors.
+        `retention` for a message due later than that. A message without a message_id
+        (published by another client) has no key, so no tombstone can reach it.
+
+        Raises ValueError for an empty key; ConfigError for an unknown queue, a queue
+        whose registered consumer has idempotent=False (its worker never reads
+        tombstones) or an async-only store (use `acancel`); and the store's errors.
         """
         keep = parse_positive_ms(retention) if retention is not None else None
         guard = self.guard()
@@ -406,6 +409,15 @@ class App:
             known = ", ".join(sorted(self.topology.queues))
             raise ConfigError(f"unknown queue {queue!r}; the topology has: {known}")
         queues = [queue] if queue is not None else list(self.topology.queues)
+        unguarded = [q for q in queues if q in self.consumers and not self.consumers[q].idempotent]
+        if unguarded:
+            # Its worker never looks at the store: a tombstone would be silently ignored.
+            listed = ", ".join(repr(q) for q in unguarded)
+            raise ConfigError(
+                f"cannot cancel {key!r}: the consumer of {listed} runs with idempotent=False, so "
+                "its worker never reads tombstones; register it with idempotent=True (the "
+                "default), or cancel only in other queues with queue=..."
+            )
         return [scoped_key(self.topology, q, key) for q in queues]
 
     def close(self) -> None:
