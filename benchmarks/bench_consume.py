@@ -7,15 +7,21 @@ prefetch; every message is a JSON body with the headers a delayed message carrie
     raw-aio        aio-pika Queue.consume, callback awaits message.ack()
     async-memory   AsyncWorker: pydantic model, async handler, in-memory idempotency guard
     async-sqlite   AsyncWorker: the same with the SQLite guard (WAL file in a temp dir)
+    async-redis    AsyncWorker with the Redis guard (a batch of claims per pipeline)
     raw-pika       pika BlockingChannel.basic_consume, basic_ack in the callback
     sync-memory    Worker (pika, handler threads): pydantic model, in-memory guard
-    sync-sqlite    Worker with the SQLite guard
+    sync-sqlite    Worker with the SQLite guard (a prefetched batch per transaction)
+    sync-redis     Worker with the Redis guard (a batch per pipeline)
 
 The clock runs from the first delivery to the last handled one (connection set-up is
 not measured). The contenders take turns over several rounds and the median rate is
-reported, because the machines this runs on are small and noisy. Targets: async-memory
->= 0.85 x raw-aio, async-sqlite >= 0.70 x raw-aio. The topology (a unique namespace) is
-deleted at the end.
+reported, because the machines this runs on are small and noisy. Each contender is
+reported as a ratio to its baseline: the memory guard to the raw client, the durable
+guards to the memory guard of the same worker. Targets: async-memory >= 0.85 x raw-aio,
+sync-memory >= 1.0 x raw-pika, the SQLite guard >= 0.75 x the memory guard for both
+workers; the Redis guard is measured (Redis on $RABBIT_DELAY_BENCH_REDIS, default
+redis://127.0.0.1:6379/0; skipped when unreachable). The topology (a unique namespace)
+and the Redis keys are deleted at the end.
 
     .venv/bin/python benchmarks/bench_consume.py            # full run, a few minutes
     .venv/bin/python benchmarks/bench_consume.py --quick    # smoke: small counts, < 1 min
@@ -30,6 +36,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -49,7 +56,13 @@ from pydantic import BaseModel
 from rabbit_delay.aio.worker import AsyncWorker
 from rabbit_delay.consumer import App, HandlerContext
 from rabbit_delay.delays import Route
-from rabbit_delay.idempotency import MemoryStore, SQLiteStore
+from rabbit_delay.idempotency import (
+    DEFAULT_REDIS_URL,
+    AsyncRedisStore,
+    MemoryStore,
+    RedisStore,
+    SQLiteStore,
+)
 from rabbit_delay.message import encode_body, now_ms
 from rabbit_delay.publishing import PublisherCore
 from rabbit_delay.sync import Publisher, connected
@@ -84,7 +97,17 @@ class Sizes:
 
 FULL = Sizes(rounds=5, messages=20_000)
 QUICK = Sizes(rounds=2, messages=3_000)
-TARGETS = {"async-memory": ("raw-aio", 0.85), "async-sqlite": ("raw-aio", 0.70)}
+BASELINE = {
+    "raw-aio": "raw-aio",
+    "async-memory": "raw-aio",
+    "async-sqlite": "async-memory",
+    "async-redis": "async-memory",
+    "raw-pika": "raw-pika",
+    "sync-memory": "raw-pika",
+    "sync-sqlite": "sync-memory",
+    "sync-redis": "sync-memory",
+}
+TARGETS = {"async-memory": 0.85, "sync-memory": 1.0, "async-sqlite": 0.75, "sync-sqlite": 0.75}
 
 
 def make_topology(queue_type: str) -> Topology:
@@ -165,7 +188,7 @@ async def raw_aio(url: str, topology: Topology, n: int) -> float:
     return finish.rate()
 
 
-Store = MemoryStore | SQLiteStore
+Store = MemoryStore | SQLiteStore | RedisStore | AsyncRedisStore
 
 
 def app_for(topology: Topology, store: Store, finish: Finish, *, asynchronous: bool) -> App:
@@ -198,7 +221,7 @@ async def async_worker(url: str, topology: Topology, n: int, store: Store) -> fl
     worker.stop()
     await task
     waiter.cancel()
-    store.close()
+    await app.aclose()
     return finish.rate()
 
 
@@ -237,11 +260,23 @@ def sync_worker(url: str, topology: Topology, n: int, store: Store) -> float:
     timer.start()
     worker.run()
     timer.cancel()
-    store.close()
+    app.close()
     return finish.rate()
 
 
 # -- driver ----------------------------------------------------------------------------
+
+
+def redis_reachable(url: str) -> bool:
+    try:
+        store = RedisStore(url, prefix="bench-consume-ping:")
+        try:
+            store.client.ping()
+        finally:
+            store.close()
+    except Exception:
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     def sqlite() -> SQLiteStore:
         return SQLiteStore(Path(tmp.name) / f"{uuid.uuid4().hex}.sqlite3")
 
+    redis_url = os.environ.get("RABBIT_DELAY_BENCH_REDIS", DEFAULT_REDIS_URL)
+    redis_prefix = f"bench-consume-{uuid.uuid4().hex[:8]}:"
     contenders: dict[str, Callable[[], float]] = {
         "raw-aio": lambda: asyncio.run(raw_aio(url, topology, n)),
         "async-memory": lambda: asyncio.run(async_worker(url, topology, n, MemoryStore())),
@@ -281,6 +318,19 @@ def main(argv: list[str] | None = None) -> int:
         "sync-memory": lambda: sync_worker(url, topology, n, MemoryStore()),
         "sync-sqlite": lambda: sync_worker(url, topology, n, sqlite()),
     }
+    if redis_reachable(redis_url):
+
+        def async_redis() -> float:
+            return asyncio.run(
+                async_worker(url, topology, n, AsyncRedisStore(redis_url, prefix=redis_prefix))
+            )
+
+        contenders["async-redis"] = async_redis
+        contenders["sync-redis"] = lambda: sync_worker(
+            url, topology, n, RedisStore(redis_url, prefix=redis_prefix)
+        )
+    else:
+        log(f"Redis at {redact(redis_url)} unreachable: the Redis guard is not measured")
     samples: dict[str, list[float]] = {name: [] for name in contenders}
     log(
         f"{n} messages x {rounds} rounds per contender, {args.queue_type} queue, "
@@ -298,22 +348,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         delete_topology(url, topology)
         tmp.cleanup()
+        if "sync-redis" in contenders:
+            store = RedisStore(redis_url, prefix=redis_prefix)
+            store.purge(now_ms=1 << 62)  # every record of this run
+            store.close()
 
     medians = {name: statistics.median(values) for name, values in samples.items()}
-    baseline = {
-        "raw-aio": "raw-aio",
-        "async-memory": "raw-aio",
-        "async-sqlite": "raw-aio",
-        "raw-pika": "raw-pika",
-        "sync-memory": "raw-pika",
-        "sync-sqlite": "raw-pika",
-    }
     rows = []
     missed = []
     for name, median in medians.items():
-        ratio = median / medians[baseline[name]]
+        ratio = median / medians[BASELINE[name]]
         target = TARGETS.get(name)
-        ok = None if target is None else ratio >= target[1]
+        ok = None if target is None else ratio >= target
         if ok is False:
             missed.append(name)
         rows.append(
@@ -321,8 +367,8 @@ def main(argv: list[str] | None = None) -> int:
                 "contender": name,
                 "msg_per_s": round(median),
                 "ratio": round(ratio, 3),
-                "vs": baseline[name],
-                "target": target[1] if target else None,
+                "vs": BASELINE[name],
+                "target": target,
                 "met": ok,
                 "samples": [round(s) for s in samples[name]],
             }

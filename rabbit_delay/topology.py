@@ -7,6 +7,7 @@ the field, never a setting silently ignored.
 
 from __future__ import annotations
 
+import os
 import tomllib
 import types
 import typing
@@ -15,7 +16,16 @@ from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from rabbit_delay.durations import MAX_TTL_MS, format_ms, parse_ms, parse_positive_ms
 from rabbit_delay.errors import TopologyError
@@ -189,14 +199,37 @@ class PluginConfig(_Model):
     an empty table: the plugin exchange only delays; the due exchange routes)."""
 
 
+DEFAULT_IDEMPOTENCY_FILE = "rabbit-delay-idempotency.sqlite3"
+# The validation context key naming the directory a relative idempotency path is
+# resolved against: the topology file's directory, set by `load_topology`.
+BASE_DIR_CONTEXT = "base_dir"
+
+
 class IdempotencyConfig(_Model):
-    """Where the consumer framework records claimed and done message keys."""
+    """Where the consumer framework records claimed and done message keys.
+
+    `path` (the SQLite file) is absolute once validated. A relative one is resolved
+    against the directory of the topology file (`load_topology`), so a worker finds the
+    same file from whatever directory it starts; in a topology built in code
+    (`topology_from_dict` without `base_dir`, or this model directly) against the
+    current directory at validation time, which is then the caller's choice.
+
+    `lease` is how long a claim holds a key without being renewed; the workers renew it
+    every lease / 3 while the handler runs, so it bounds how long a crashed worker
+    blocks its messages, not how long a handler may run.
+    """
 
     store: Literal["sqlite", "memory", "redis"] = "sqlite"
-    path: str = "rabbit-delay-idempotency.sqlite3"
+    path: str = Field(default=DEFAULT_IDEMPOTENCY_FILE, min_length=1, validate_default=True)
     url: str = "redis://127.0.0.1:6379/0"
-    lease: Duration = Field(default=300_000, gt=0)
+    lease: Duration = Field(default=30_000, gt=0)
     retention: Duration = Field(default=7 * 86_400_000, gt=0)
+
+    @field_validator("path")
+    @classmethod
+    def _absolute_path(cls, value: str, info: ValidationInfo) -> str:
+        base = (info.context or {}).get(BASE_DIR_CONTEXT)
+        return os.path.abspath(os.path.join(base if base is not None else os.getcwd(), value))
 
 
 class Topology(_Model):
@@ -209,7 +242,16 @@ class Topology(_Model):
     queues: dict[QueueName, QueueConfig] = Field(min_length=1)
     cascade: CascadeConfig | None = None
     plugin: PluginConfig | None = None
-    idempotency: IdempotencyConfig = IdempotencyConfig()
+    idempotency: IdempotencyConfig = Field(default_factory=IdempotencyConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _idempotency_in_context(cls, data: Any) -> Any:
+        # Without an [idempotency] table the default would be built outside this
+        # validation, and its path resolved without the topology's directory.
+        if isinstance(data, dict) and "idempotency" not in data:
+            return {**data, "idempotency": {}}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> Topology:
@@ -333,16 +375,26 @@ def format_validation_error(error: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def topology_from_dict(data: dict[str, Any], source: str = "<topology>") -> Topology:
-    """Validate a mapping; raises TopologyError naming `source` and each bad field."""
+def topology_from_dict(
+    data: dict[str, Any], source: str = "<topology>", *, base_dir: str | Path | None = None
+) -> Topology:
+    """Validate a mapping; raises TopologyError naming `source` and each bad field.
+
+    A relative `idempotency.path` is resolved against `base_dir` (made absolute first),
+    by default the current directory: the validated topology holds an absolute path.
+    """
+    context = {BASE_DIR_CONTEXT: os.path.abspath(base_dir if base_dir is not None else os.getcwd())}
     try:
-        return Topology.model_validate(data)
+        return Topology.model_validate(data, context=context)
     except ValidationError as exc:
         raise TopologyError(format_validation_error(exc, source)) from None
 
 
 def load_topology(path: str | Path) -> Topology:
     """Read and validate a TOML topology file.
+
+    A relative `idempotency.path` is resolved against the file's directory, never the
+    current directory.
 
     Raises TopologyError for a missing file, TOML syntax errors and invalid content.
     """
@@ -363,4 +415,4 @@ def load_topology(path: str | Path) -> Topology:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise TopologyError(f"{path}: not valid TOML: {exc}") from None
-    return topology_from_dict(data, str(path))
+    return topology_from_dict(data, str(path), base_dir=os.path.abspath(path.parent))

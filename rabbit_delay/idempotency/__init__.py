@@ -3,8 +3,10 @@
 Before the handler runs, the worker claims the message's key (its message_id); after
 success it records the key done. A duplicate of a done message is acked and skipped;
 a duplicate that arrives while the first copy is being handled is not run beside it;
-a claim is a lease, so a crashed worker does not block its key for ever. `cancel(key)`
-leaves a tombstone: the scheduled message with that key is dropped when it comes due.
+a claim is a lease, renewed (`renew`) while the handler runs, so a crashed worker does
+not block its key for ever. `cancel(key)` leaves a tombstone: the scheduled message with
+that key is dropped when it comes due. `claim_many` / `finish_many` do a prefetched
+batch in one transaction or round trip.
 
     claim(key, owner)          -> CLAIMED      run the handler, then complete() / release()
                                -> DONE         ack, skip (a duplicate)

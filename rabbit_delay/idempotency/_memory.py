@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
-from rabbit_delay.idempotency._core import DEFAULT_PREFIX, ClaimResult
+from rabbit_delay.idempotency._core import DEFAULT_PREFIX, ClaimItem, ClaimResult, FinishItem
 
 _CLAIMED = "claimed"
 _DONE = "done"
@@ -51,6 +52,41 @@ class MemoryStore:
             row = self._rows.get(k)
             if row is not None and row[0] == _CLAIMED and row[1] == owner:
                 del self._rows[k]
+
+    def renew(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> bool:
+        k = self.prefix + key
+        with self._lock:
+            row = self._rows.get(k)
+            if row is None or row[0] != _CLAIMED or row[1] != owner:
+                return False
+            self._rows[k] = (_CLAIMED, owner, now_ms + lease_ms)
+            return True
+
+    def claim_many(
+        self, items: Sequence[ClaimItem], *, now_ms: int, lease_ms: int
+    ) -> list[ClaimResult | Exception]:
+        results: list[ClaimResult | Exception] = []
+        for key, owner in items:
+            try:
+                results.append(self.claim(key, owner, now_ms=now_ms, lease_ms=lease_ms))
+            except Exception as exc:  # a key that is not a str: its slot only
+                results.append(exc)
+        return results
+
+    def finish_many(
+        self, items: Sequence[FinishItem], *, now_ms: int, retention_ms: int
+    ) -> list[Exception | None]:
+        results: list[Exception | None] = []
+        for key, owner, succeeded in items:
+            try:
+                if succeeded:
+                    self.complete(key, owner, now_ms=now_ms, retention_ms=retention_ms)
+                else:
+                    self.release(key, owner)
+                results.append(None)
+            except Exception as exc:
+                results.append(exc)
+        return results
 
     def cancel(self, key: str, *, now_ms: int, retention_ms: int) -> None:
         k = self.prefix + key

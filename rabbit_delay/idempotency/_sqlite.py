@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rabbit_delay.errors import ConfigError
-from rabbit_delay.idempotency._core import DEFAULT_PREFIX, ClaimResult
+from rabbit_delay.idempotency._core import DEFAULT_PREFIX, ClaimItem, ClaimResult, FinishItem
 
 T = TypeVar("T")
 
@@ -62,6 +62,9 @@ ON CONFLICT (key) DO UPDATE SET state = 'done', owner = ?2, expires_at = ?3
 WHERE state = 'claimed' OR expires_at <= ?4
 """
 _RELEASE = "DELETE FROM {t} WHERE key = ?1 AND state = 'claimed' AND owner = ?2"
+# ?1 key, ?2 owner, ?3 lease end. Whatever the old lease end: a claim that ran out and
+# that nobody took over is still ours. Never inserts.
+_RENEW = "UPDATE {t} SET expires_at = ?3 WHERE key = ?1 AND state = 'claimed' AND owner = ?2"
 # ?1 key, ?2 retention end. A second cancel never shortens a tombstone.
 _CANCEL = """
 INSERT INTO {t} (key, state, owner, expires_at) VALUES (?1, 'cancelled', NULL, ?2)
@@ -126,6 +129,7 @@ class SQLiteStore:
         self._read_sql = _READ.format(t=table)
         self._complete_sql = _COMPLETE.format(t=table)
         self._release_sql = _RELEASE.format(t=table)
+        self._renew_sql = _RENEW.format(t=table)
         self._cancel_sql = _CANCEL.format(t=table)
         self._purge_slice_sql = _PURGE_SLICE_END.format(t=table)
         self._purge_sql = _PURGE.format(t=table)
@@ -149,6 +153,39 @@ class SQLiteStore:
         with self._lock:
             self._set_wait(True)
             self._release(key, owner)
+
+    def renew(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> bool:
+        """See `IdempotencyStore.renew`. Raises `sqlite3.Error`."""
+        with self._lock:
+            self._set_wait(True)
+            return self._renew(key, owner, now_ms, lease_ms)
+
+    def claim_many(
+        self, items: Sequence[ClaimItem], *, now_ms: int, lease_ms: int
+    ) -> list[ClaimResult | Exception]:
+        """See `IdempotencyStore.claim_many`: one transaction (`run_batch`)."""
+        return self._run_items(
+            [partial(self._claim, key, owner, now_ms, lease_ms) for key, owner in items]
+        )
+
+    def finish_many(
+        self, items: Sequence[FinishItem], *, now_ms: int, retention_ms: int
+    ) -> list[Exception | None]:
+        """See `IdempotencyStore.finish_many`: one transaction (`run_batch`)."""
+        return self._run_items(
+            [
+                partial(self._complete, key, owner, now_ms, retention_ms)
+                if succeeded
+                else partial(self._release, key, owner)
+                for key, owner, succeeded in items
+            ]
+        )
+
+    def _run_items(self, ops: Sequence[Callable[[], Any]]) -> list[Any]:
+        try:
+            return self.run_batch(ops, wait=True)
+        except sqlite3.Error as exc:  # the write lock stayed busy past the timeout
+            return [exc] * len(ops)
 
     def cancel(self, key: str, *, now_ms: int, retention_ms: int) -> None:
         """See `IdempotencyStore.cancel`. Raises `sqlite3.Error`."""
@@ -295,6 +332,10 @@ class SQLiteStore:
     def _release(self, key: str, owner: str) -> None:
         self._conn.execute(self._release_sql, (self.prefix + key, owner))
 
+    def _renew(self, key: str, owner: str, now_ms: int, lease_ms: int) -> bool:
+        args = (self.prefix + key, owner, now_ms + lease_ms)
+        return bool(self._conn.execute(self._renew_sql, args).rowcount == 1)
+
     def _cancel(self, key: str, now_ms: int, retention_ms: int) -> None:
         self._conn.execute(self._cancel_sql, (self.prefix + key, now_ms + retention_ms))
 
@@ -359,6 +400,33 @@ class AsyncSQLiteStore:
         """See `IdempotencyStore.release`. Raises `sqlite3.Error`."""
         await self._submit(partial(self.store._release, key, owner))
 
+    async def renew(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> bool:
+        """See `IdempotencyStore.renew`. Raises `sqlite3.Error`."""
+        return await self._submit(partial(self.store._renew, key, owner, now_ms, lease_ms))
+
+    async def claim_many(
+        self, items: Sequence[ClaimItem], *, now_ms: int, lease_ms: int
+    ) -> list[ClaimResult | Exception]:
+        """See `IdempotencyStore.claim_many`: every item joins one group commit."""
+        claim = self.store._claim
+        return await self._submit_many(
+            [partial(claim, key, owner, now_ms, lease_ms) for key, owner in items]
+        )
+
+    async def finish_many(
+        self, items: Sequence[FinishItem], *, now_ms: int, retention_ms: int
+    ) -> list[Exception | None]:
+        """See `IdempotencyStore.finish_many`: every item joins one group commit."""
+        complete, release = self.store._complete, self.store._release
+        return await self._submit_many(
+            [
+                partial(complete, key, owner, now_ms, retention_ms)
+                if succeeded
+                else partial(release, key, owner)
+                for key, owner, succeeded in items
+            ]
+        )
+
     async def cancel(self, key: str, *, now_ms: int, retention_ms: int) -> None:
         """See `IdempotencyStore.cancel`. Raises `sqlite3.Error`."""
         await self._submit(partial(self.store._cancel, key, now_ms, retention_ms))
@@ -382,11 +450,24 @@ class AsyncSQLiteStore:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         self._pending.append((op, future))
+        self._schedule(loop)
+        return await future
+
+    async def _submit_many(self, ops: Sequence[Callable[[], Any]]) -> list[Any]:
+        """Queue `ops` together (so they share a batch); each outcome or exception."""
+        if not ops:
+            return []
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in ops]
+        self._pending.extend(zip(ops, futures, strict=True))
+        self._schedule(loop)
+        return list(await asyncio.gather(*futures, return_exceptions=True))
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
         if not self._scheduled:
             # At the end of this turn: every op issued before then joins the batch.
             self._scheduled = True
             loop.call_soon(self._start, loop)
-        return await future
 
     def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._scheduled = True

@@ -667,3 +667,271 @@ async def test_guards_from_config(tmp_path: Path) -> None:
     assert isinstance(async_guard.store, AsyncSQLiteStore)
     assert await async_guard.claim("k", "b") is IN_PROGRESS  # same file, a's claim
     await async_guard.store.close()
+
+
+# -- renew and batches: what the worker relies on -----------------------------------------
+
+
+def test_guard_renew_uses_its_clock_and_lease() -> None:
+    clock = FakeClock()
+    guard = Guard(MemoryStore(), lease_ms=LEASE, retention_ms=RETENTION, clock=clock)
+    assert guard.claim("k", "a") is CLAIMED
+    clock.now += LEASE - 1
+    assert guard.renew("k", "a") is True
+    clock.now += LEASE - 1  # past the first lease, inside the renewed one
+    assert guard.claim("k", "b") is IN_PROGRESS
+    assert guard.renew("k", "b") is False
+    assert guard.renew("absent", "a") is False
+    assert guard.claim("absent", "b") is CLAIMED  # renew created nothing
+    assert guard.stats.claimed == 2  # renewals are not claims
+    with pytest.raises(ValueError, match="non-empty"):
+        guard.renew("", "a")
+
+
+def test_guard_claim_many_counts_and_answers_an_empty_key_in_its_slot() -> None:
+    guard = Guard(MemoryStore(), lease_ms=LEASE, retention_ms=RETENTION, clock=FakeClock())
+    guard.done("done", "x")
+    guard.cancel("tomb")
+    results = guard.claim_many(
+        [("a", "o1"), ("", "o2"), ("done", "o3"), ("tomb", "o4"), ("a", "o5")]
+    )
+    assert results[0] is CLAIMED
+    assert isinstance(results[1], ValueError)
+    assert results[2:] == [DONE, CANCELLED, IN_PROGRESS]
+    assert guard.stats.as_dict() == {
+        "claimed": 1,
+        "duplicates_skipped": 1,
+        "in_progress_deferred": 1,
+        "cancelled_dropped": 1,
+    }
+    finished = guard.finish_many([("a", "o1", True), ("", "o2", True)])
+    assert finished[0] is None
+    assert isinstance(finished[1], ValueError)
+    assert guard.claim("a", "o6") is DONE
+    assert guard.claim_many([]) == []
+    assert guard.finish_many([]) == []
+
+
+class PlainStore:
+    """A user's store written before renew and the batch operations: the five basic
+    methods only (over a MemoryStore), failing for the key "poison"."""
+
+    needs_purge = True
+
+    def __init__(self) -> None:
+        self.inner = MemoryStore()
+        self.calls: list[str] = []
+
+    def _check(self, key: str) -> None:
+        if key == "poison":
+            raise RuntimeError("the store failed for this key")
+
+    def claim(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> ClaimResult:
+        self.calls.append("claim")
+        self._check(key)
+        return self.inner.claim(key, owner, now_ms=now_ms, lease_ms=lease_ms)
+
+    def complete(self, key: str, owner: str, *, now_ms: int, retention_ms: int) -> None:
+        self.calls.append("complete")
+        self._check(key)
+        self.inner.complete(key, owner, now_ms=now_ms, retention_ms=retention_ms)
+
+    def release(self, key: str, owner: str) -> None:
+        self.calls.append("release")
+        self._check(key)
+        self.inner.release(key, owner)
+
+    def cancel(self, key: str, *, now_ms: int, retention_ms: int) -> None:
+        self.inner.cancel(key, now_ms=now_ms, retention_ms=retention_ms)
+
+    def purge(self, *, now_ms: int) -> int:
+        return self.inner.purge(now_ms=now_ms)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class PlainAsyncStore:
+    """PlainStore's coroutine twin: no renew, no batch operations."""
+
+    needs_purge = True
+
+    def __init__(self) -> None:
+        self.sync = PlainStore()
+
+    async def claim(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> ClaimResult:
+        return self.sync.claim(key, owner, now_ms=now_ms, lease_ms=lease_ms)
+
+    async def complete(self, key: str, owner: str, *, now_ms: int, retention_ms: int) -> None:
+        self.sync.complete(key, owner, now_ms=now_ms, retention_ms=retention_ms)
+
+    async def release(self, key: str, owner: str) -> None:
+        self.sync.release(key, owner)
+
+    async def cancel(self, key: str, *, now_ms: int, retention_ms: int) -> None:
+        self.sync.cancel(key, now_ms=now_ms, retention_ms=retention_ms)
+
+    async def purge(self, *, now_ms: int) -> int:
+        return self.sync.purge(now_ms=now_ms)
+
+    async def close(self) -> None:
+        self.sync.close()
+
+
+def test_guard_falls_back_for_a_store_without_renew_or_batches() -> None:
+    store = PlainStore()
+    guard = Guard(store, lease_ms=LEASE, retention_ms=RETENTION, clock=FakeClock())  # type: ignore[arg-type]
+    results = guard.claim_many([("k1", "a"), ("poison", "a"), ("k2", "a")])
+    assert results[0] is CLAIMED
+    assert isinstance(results[1], RuntimeError)
+    assert results[2] is CLAIMED
+    assert guard.renew("k1", "a") is True  # a re-entrant claim stands in for renew
+    assert guard.renew("k1", "b") is False
+    finished = guard.finish_many([("k1", "a", True), ("poison", "a", False), ("k2", "a", False)])
+    assert finished[0] is None
+    assert isinstance(finished[1], RuntimeError)
+    assert finished[2] is None
+    assert store.calls.count("complete") == 1
+    assert store.calls.count("release") == 2
+    assert guard.claim_many([("k1", "b"), ("k2", "b")]) == [DONE, CLAIMED]
+    assert guard.stats.claimed == 3
+
+
+async def test_sync_store_as_async_falls_back_too() -> None:
+    store = SyncStoreAsAsync(PlainStore())  # type: ignore[arg-type]
+    results = await store.claim_many([("k", "a"), ("poison", "a")], now_ms=T0, lease_ms=LEASE)
+    assert results[0] is CLAIMED
+    assert isinstance(results[1], RuntimeError)
+    assert await store.renew("k", "a", now_ms=T0, lease_ms=LEASE) is True
+    assert await store.finish_many([("k", "a", True)], now_ms=T0, retention_ms=RETENTION) == [None]
+    assert await store.claim("k", "b", now_ms=T0, lease_ms=LEASE) is DONE
+
+
+async def test_async_guard_renew_and_batches(tmp_path: Path) -> None:
+    clock = FakeClock()
+    store = as_async(SQLiteStore(tmp_path / "idem.sqlite3"))
+    guard = AsyncGuard(store, lease_ms=LEASE, retention_ms=RETENTION, clock=clock)
+    results = await guard.claim_many([("k1", "a"), ("", "a"), ("k1", "b")])
+    assert results[0] is CLAIMED
+    assert isinstance(results[1], ValueError)
+    assert results[2] is IN_PROGRESS
+    clock.now += LEASE - 1
+    assert await guard.renew("k1", "a") is True
+    clock.now += LEASE - 1
+    assert await guard.claim("k1", "b") is IN_PROGRESS
+    assert await guard.renew("k1", "b") is False
+    finished = await guard.finish_many([("k1", "a", True), ("", "a", False)])
+    assert finished[0] is None
+    assert isinstance(finished[1], ValueError)
+    assert await guard.claim("k1", "c") is DONE
+    assert guard.stats.as_dict() == {
+        "claimed": 1,
+        "duplicates_skipped": 1,
+        "in_progress_deferred": 2,
+        "cancelled_dropped": 0,
+    }
+    with pytest.raises(ValueError, match="non-empty"):
+        await guard.renew("", "a")
+    await store.close()
+
+
+async def test_async_guard_falls_back_for_a_store_without_renew_or_batches() -> None:
+    store = PlainAsyncStore()
+    guard = AsyncGuard(store, lease_ms=LEASE, retention_ms=RETENTION, clock=FakeClock())  # type: ignore[arg-type]
+    results = await guard.claim_many([("k1", "a"), ("poison", "a")])
+    assert results[0] is CLAIMED
+    assert isinstance(results[1], RuntimeError)
+    assert await guard.renew("k1", "a") is True
+    finished = await guard.finish_many([("k1", "a", True), ("poison", "a", True)])
+    assert finished[0] is None
+    assert isinstance(finished[1], RuntimeError)
+    assert await guard.claim("k1", "b") is DONE
+
+
+class BrokenBatchStore(MemoryStore):
+    def claim_many(self, items: Any, *, now_ms: int, lease_ms: int) -> Any:
+        raise RuntimeError("the whole batch failed")
+
+
+def test_guard_a_batch_that_raises_fills_every_slot() -> None:
+    guard = Guard(BrokenBatchStore(), lease_ms=LEASE, retention_ms=RETENTION)
+    results = guard.claim_many([("k1", "a"), ("", "a"), ("k2", "a")])
+    assert [type(r) for r in results] == [RuntimeError, ValueError, RuntimeError]
+    assert guard.stats.claimed == 0
+
+
+def test_sqlite_claim_many_is_one_transaction(counting: CountingStore) -> None:
+    keys = [new_key() for _ in range(20)]
+    assert (
+        counting.claim_many([(k, "a") for k in keys], now_ms=T0, lease_ms=LEASE) == [CLAIMED] * 20
+    )
+    items = [(k, "a", i % 2 == 0) for i, k in enumerate(keys)]
+    assert counting.finish_many(items, now_ms=T0, retention_ms=RETENTION) == [None] * 20
+    assert counting.batches == [20, 20]
+
+
+def poison_trigger(store: SQLiteStore, key: str) -> None:
+    """Make every write of `key` fail, inside whatever transaction it runs in."""
+    store._conn.execute(
+        f"CREATE TRIGGER poison BEFORE INSERT ON {store.table} "
+        f"WHEN NEW.key = '{store.prefix}{key}' BEGIN SELECT RAISE(ABORT, 'poisoned'); END"
+    )
+
+
+def test_sqlite_batch_a_failing_item_fails_alone(tmp_path: Path) -> None:
+    with SQLiteStore(tmp_path / "idem.sqlite3") as store:
+        poison_trigger(store, "bad")
+        results = store.claim_many(
+            [("k1", "a"), ("bad", "a"), ("k2", "a")], now_ms=T0, lease_ms=LEASE
+        )
+        assert results[0] is CLAIMED
+        assert isinstance(results[1], sqlite3.IntegrityError)
+        assert results[2] is CLAIMED
+        finished = store.finish_many(
+            [("k1", "a", True), ("bad", "a", True)], now_ms=T0, retention_ms=RETENTION
+        )
+        assert finished[0] is None
+        assert isinstance(finished[1], sqlite3.IntegrityError)
+        assert store.claim("k1", "b", now_ms=T0, lease_ms=LEASE) is DONE
+        assert store.claim("k2", "b", now_ms=T0, lease_ms=LEASE) is IN_PROGRESS
+
+
+def test_sqlite_batch_on_a_locked_file_fails_every_item(tmp_path: Path) -> None:
+    path = tmp_path / "idem.sqlite3"
+    with SQLiteStore(path, busy_timeout_s=0.1) as store:
+        holder = sqlite3.connect(path, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        try:
+            results = store.claim_many([("k1", "a"), ("k2", "a")], now_ms=T0, lease_ms=LEASE)
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        assert all(isinstance(r, sqlite3.OperationalError) for r in results), results
+        assert store.claim_many([("k1", "a")], now_ms=T0, lease_ms=LEASE) == [CLAIMED]
+
+
+async def test_async_sqlite_batch_joins_one_group_commit(counting: CountingStore) -> None:
+    store = AsyncSQLiteStore(counting)
+    keys = [new_key() for _ in range(30)]
+    single = new_key()
+    batch, alone = await asyncio.gather(
+        store.claim_many([(k, "a") for k in keys], now_ms=T0, lease_ms=LEASE),
+        store.claim(single, "a", now_ms=T0, lease_ms=LEASE),
+    )
+    assert batch == [CLAIMED] * 30
+    assert alone is CLAIMED
+    assert counting.batches == [31]
+    items = [(k, "a", True) for k in keys]
+    assert await store.finish_many(items, now_ms=T0, retention_ms=RETENTION) == [None] * 30
+    assert counting.batches == [31, 30]
+
+
+async def test_async_sqlite_batch_a_failing_item_fails_alone(tmp_path: Path) -> None:
+    sync_store = SQLiteStore(tmp_path / "idem.sqlite3")
+    poison_trigger(sync_store, "bad")
+    store = AsyncSQLiteStore(sync_store)
+    results = await store.claim_many([("k1", "a"), ("bad", "a")], now_ms=T0, lease_ms=LEASE)
+    assert results[0] is CLAIMED
+    assert isinstance(results[1], sqlite3.IntegrityError)
+    assert await store.renew("k1", "a", now_ms=T0 + 1, lease_ms=LEASE) is True
+    await store.close()

@@ -8,7 +8,13 @@ from typing import Any
 import pytest
 
 from rabbit_delay.errors import ConfigError, TopologyError
-from rabbit_delay.topology import QueueType, Topology, load_topology, topology_from_dict
+from rabbit_delay.topology import (
+    IdempotencyConfig,
+    QueueType,
+    Topology,
+    load_topology,
+    topology_from_dict,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,6 +99,10 @@ def test_defaults(tmp_path: Path) -> None:
     assert push.delivery_limit == 10
     assert topology.cascade is None
     assert topology.plugin is None
+    assert topology.idempotency.store == "sqlite"
+    assert topology.idempotency.lease == 30_000  # renewed every lease / 3 by the workers
+    assert topology.idempotency.retention == 7 * 86_400_000
+    assert topology.idempotency.path == str(tmp_path / "rabbit-delay-idempotency.sqlite3")
 
 
 def test_models_are_frozen(tmp_path: Path) -> None:
@@ -266,3 +276,73 @@ def test_tier_for_ms_and_retry_tiers(tmp_path: Path) -> None:
     assert topology.retry_tiers("orders.cancel") == ("1s", "5m")
     assert topology.retry_tiers("push") == ("1s",)  # the shortest tier by default
     assert topology.names.prefix == "shop.v1"
+
+
+# -- the idempotency store's file ---------------------------------------------------------
+
+
+@pytest.fixture
+def elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A current directory that is not the topology's."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    return cwd
+
+
+@pytest.mark.parametrize(
+    ("written", "expected"),
+    [
+        (None, "topology/rabbit-delay-idempotency.sqlite3"),  # the default, next to the file
+        ("idem.sqlite3", "topology/idem.sqlite3"),
+        ("state/idem.sqlite3", "topology/state/idem.sqlite3"),
+        ("../shared/idem.sqlite3", "shared/idem.sqlite3"),
+    ],
+)
+def test_a_relative_sqlite_path_is_resolved_against_the_topology_file(
+    tmp_path: Path, elsewhere: Path, written: str | None, expected: str
+) -> None:
+    topology_dir = tmp_path / "topology"
+    topology_dir.mkdir()
+    text = BASE if written is None else BASE + f'[idempotency]\npath = "{written}"\n'
+    path = write(topology_dir, text)
+    by_file = load_topology(path).idempotency.path
+    assert by_file == str(tmp_path / expected)
+    assert load_topology(topology_dir).idempotency.path == by_file  # a directory: the same
+    assert not by_file.startswith(str(elsewhere))
+
+
+def test_a_relative_topology_path_is_resolved_at_load_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "conf").mkdir()
+    write(tmp_path / "conf", BASE)
+    monkeypatch.chdir(tmp_path)
+    topology = load_topology("conf/topo.toml")
+    assert topology.idempotency.path == str(tmp_path / "conf" / "rabbit-delay-idempotency.sqlite3")
+
+
+def test_an_absolute_sqlite_path_is_kept(tmp_path: Path, elsewhere: Path) -> None:
+    target = tmp_path / "var" / "idem.sqlite3"
+    path = write(tmp_path, BASE + f'[idempotency]\npath = "{target}"\n')
+    assert load_topology(path).idempotency.path == str(target)
+
+
+def test_a_topology_from_a_dict_resolves_against_the_current_directory(elsewhere: Path) -> None:
+    data = {"namespace": "shop", "tiers": {"1s": "1s"}, "queues": {"push": {}}}
+    assert topology_from_dict(data).idempotency.path == str(
+        elsewhere / "rabbit-delay-idempotency.sqlite3"
+    )
+    with_path = {**data, "idempotency": {"path": "x/idem.sqlite3"}}
+    assert topology_from_dict(with_path).idempotency.path == str(elsewhere / "x" / "idem.sqlite3")
+    base = elsewhere.parent / "base"
+    assert topology_from_dict(with_path, base_dir=base).idempotency.path == str(
+        base / "x" / "idem.sqlite3"
+    )
+    assert IdempotencyConfig(path="y.sqlite3").path == str(elsewhere / "y.sqlite3")
+    assert IdempotencyConfig().path == str(elsewhere / "rabbit-delay-idempotency.sqlite3")
+
+
+def test_an_empty_sqlite_path_is_an_error(tmp_path: Path) -> None:
+    message = load_error(tmp_path, BASE + '[idempotency]\npath = ""\n')
+    assert "idempotency.path" in message
