@@ -73,7 +73,7 @@ def test_loading_the_shipped_orders_topology() -> None:
     assert cancel.delivery_limit == 5
     assert cancel.retry.max_attempts == 4
     assert cancel.retry.tiers == ("5m", "5m", "30m")
-    assert topology.idempotency.lease == 300_000
+    assert topology.idempotency.lease == 30_000
     assert topology.idempotency.retention == 7 * 86_400_000
 
 
