@@ -207,7 +207,7 @@ class AsyncWorker(WorkerBase):
                 # Forced: a running `def` handler cannot be interrupted; it is left to run.
                 self._executor.shutdown(wait=not abandoned, cancel_futures=True)
             restore()
-            log.info("worker %s stopped: %s", self.identity, self.stats.as_dict())
+            self.log_stopped()
 
     # -- connection --------------------------------------------------------------------
 
@@ -253,6 +253,7 @@ class AsyncWorker(WorkerBase):
                 await connection.close()
             raise
         self.started.set()
+        self.ever_started = True
 
     async def _consume(self, raw: RawChannel, tracker: AckTracker, consumer: Consumer) -> str:
         queue_name = self.app.topology.names.business_queue(consumer.queue)

@@ -13,7 +13,8 @@ from typing import Annotated, Any, NoReturn
 import typer
 from rich.console import Console
 
-from rabbit_delay.errors import RabbitDelayError
+from rabbit_delay.cli._unreachable import describe_unavailable
+from rabbit_delay.errors import BrokerUnavailable, RabbitDelayError
 from rabbit_delay.topology import Topology, load_topology
 from rabbit_delay.urls import URL_ENV, broker_url, redact
 
@@ -72,12 +73,14 @@ def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
 
 @contextmanager
 def errors_to_exit() -> Iterator[None]:
-    """Every library error becomes one redacted line on stderr and exit code 1."""
+    """Every library error becomes one redacted line on stderr and exit code 1; a broker
+    that cannot be reached is named by its cause (login, vhost, port, host name)."""
     try:
         yield
     except RabbitDelayError as exc:
+        text = describe_unavailable(exc) if isinstance(exc, BrokerUnavailable) else str(exc)
         err.print("[bold red]error:[/] ", end="", markup=True)
-        err.print(redact(str(exc)), markup=False)
+        err.print(redact(text), markup=False)
         raise typer.Exit(EXIT_ERROR) from None
 
 

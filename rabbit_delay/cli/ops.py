@@ -26,6 +26,7 @@ from rabbit_delay.cli._app import (
     resolve_topology,
     url_for,
 )
+from rabbit_delay.cli._unreachable import describe_unavailable
 from rabbit_delay.cli.commands import MgmtOpt, NoMgmtOpt, management_access
 from rabbit_delay.durations import format_ms
 from rabbit_delay.errors import BrokerUnavailable, ManagementUnavailable
@@ -243,7 +244,7 @@ def status(
                 api_error = f"not reachable ({exc})"
         if live is None and api is None:
             assert amqp_error is not None
-            fail(f"{amqp_error}; management API {api_error}")
+            fail(f"{describe_unavailable(amqp_error)}; management API {api_error}")
     rows = status_rows(topology, live, api)
     attention = any(r.attention for r in rows)
     sources = {

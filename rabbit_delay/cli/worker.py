@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from rabbit_delay.aio.worker import AsyncWorker
 from rabbit_delay.durations import parse_ms
 from rabbit_delay.errors import DurationError
+from rabbit_delay.urls import redact
 
 
 class TransportChoice(StrEnum):
@@ -33,6 +34,35 @@ class LogLevel(StrEnum):
     INFO = "info"
     WARNING = "warning"
     ERROR = "error"
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# The AMQP clients: pika (sync), aio-pika and aiormq under it (async).
+CLIENT_LOGGERS = ("pika", "aio_pika", "aiormq")
+
+
+class _RedactingFormatter(logging.Formatter):
+    """Client libraries log what they like at debug level; never a password in a URL."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
+
+
+def configure_logging(level: LogLevel) -> None:
+    """rabbit-delay's loggers at `level`; the AMQP clients' only at debug.
+
+    The workers log every connection problem themselves, redacted and once. The clients
+    log the same failure again as a handful of ERROR lines and a traceback (pika's
+    `LOGGER.exception` on a refused login), and pika logs each 404 of a passive declare
+    as a warning: details for --log-level debug, noise otherwise.
+    """
+    handler = logging.StreamHandler()  # stderr
+    handler.setFormatter(_RedactingFormatter(LOG_FORMAT))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    logging.getLogger("rabbit_delay").setLevel(level.upper())
+    client_level = logging.INFO if level is LogLevel.DEBUG else logging.CRITICAL
+    for name in CLIENT_LOGGERS:
+        logging.getLogger(name).setLevel(client_level)
 
 
 def load_app(target: str, app_dir: Path) -> App:
@@ -101,7 +131,11 @@ MetricsPortOpt = Annotated[
     typer.Option("--metrics-port", min=0, help="Serve Prometheus /metrics on this port."),
 ]
 LogLevelOpt = Annotated[
-    LogLevel, typer.Option("--log-level", help="Level of rabbit-delay's loggers.")
+    LogLevel,
+    typer.Option(
+        "--log-level",
+        help="Level of rabbit-delay's loggers; debug also shows the AMQP client's (pika, aiormq).",
+    ),
 ]
 
 
@@ -125,13 +159,7 @@ def worker(
     and end up in its parking lot. Without --declare, queues are only checked with
     passive declarations (read permission is enough).
     """
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("rabbit_delay").setLevel(log_level.upper())
-    if log_level is not LogLevel.DEBUG:
-        # pika logs every 404 of a passive declare (the probes of --declare) as a warning.
-        logging.getLogger("pika").setLevel(logging.ERROR)
+    configure_logging(log_level)
     try:
         timeout_s = parse_ms(shutdown_timeout) / 1000
     except DurationError as exc:
@@ -180,4 +208,4 @@ async def _run_async(the_app: App, async_worker: AsyncWorker) -> None:
         await the_app.aclose()
 
 
-__all__ = ["load_app", "worker"]
+__all__ = ["configure_logging", "load_app", "worker"]

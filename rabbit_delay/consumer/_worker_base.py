@@ -93,6 +93,7 @@ class WorkerBase:
             WorkerMetrics(metrics, [c.queue for c in self.consumers]) if metrics else None
         )
         self.started = threading.Event()  # set once consuming (again after a reconnect)
+        self.ever_started = False
         self._wanted = desired(app.topology)
         self.guarded = any(c.idempotent for c in self.consumers)
         self.leases = LeaseBook(app.lease_ms)
@@ -142,6 +143,12 @@ class WorkerBase:
                 getattr(out, "exchange", "?"),
                 settled.publish_error,
             )
+
+    def log_stopped(self) -> None:
+        """The last line of a worker that consumed; one that never started has said why
+        in the exception its run() raised."""
+        if self.stats.received or self.ever_started:
+            log.info("worker %s stopped: %s", self.identity, self.stats.as_dict())
 
     def lease_lost(self, key: str, owner: str) -> None:
         self.stats.leases_lost += 1

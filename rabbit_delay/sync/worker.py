@@ -200,7 +200,7 @@ class Worker(WorkerBase):
                 for t in self._threads:
                     t.join(timeout=1)
             restore()
-            log.info("worker %s stopped: %s", self.identity, self.stats.as_dict())
+            self.log_stopped()
 
     # -- connection thread ---------------------------------------------------------------
 
@@ -262,6 +262,7 @@ class Worker(WorkerBase):
                 _quietly(conn.close)
             raise
         self.started.set()
+        self.ever_started = True
 
     def _consume(self, channel: BlockingChannel, consumer: Consumer) -> str:
         queue_name = self.app.topology.names.business_queue(consumer.queue)

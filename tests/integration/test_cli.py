@@ -7,6 +7,7 @@ help screens and one password check run the installed console script.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -408,3 +409,114 @@ def test_password_never_printed_by_the_installed_script(
         assert "s3cret" not in done.stdout + done.stderr
         assert ":guest@" not in done.stdout + done.stderr
     assert done.returncode == 0, done.stderr
+
+
+# -- a broker that cannot be reached: one clean line --------------------------------------
+
+SECRET = "s3cret-pw"
+APP_MODULE = """\
+from rabbit_delay.consumer import App
+
+app = App({topology!r})
+
+
+@app.consumer("push")
+def push(message, ctx):
+    pass
+"""
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def unreachable(broker_url: str, case: str) -> tuple[str, str]:
+    """A URL that fails in the way `case` names, and a word the error line must contain."""
+    parts = urlsplit(broker_url)
+    no_vhost = urlunsplit((parts.scheme, parts.netloc, "/rd-no-such-vhost", "", ""))
+    return {
+        "password": (with_password(broker_url, SECRET), "user name and password"),
+        "port": (f"amqp://guest:{SECRET}@127.0.0.1:{free_port()}/", "nothing is listening"),
+        "dns": (f"amqp://guest:{SECRET}@no-such-host.invalid:5672/", "cannot resolve"),
+        "vhost": (no_vhost, "virtual host"),
+    }[case]
+
+
+def one_error_line(done: subprocess.CompletedProcess[str], cause: str) -> None:
+    """stderr is one `error:` line naming the cause; nothing else, nothing secret."""
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 1, done.stderr
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("error: "), done.stderr
+    assert cause in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
+    assert SECRET not in done.stdout + done.stderr
+
+
+@pytest.fixture
+def app_dir(topo: tuple[Topology, Path], tmp_path: Path) -> Path:
+    """A directory holding `tiny_app.py`: one sync consumer on the topology's `push`."""
+    _topology, path = topo
+    folder = tmp_path / "app"
+    folder.mkdir()
+    (folder / "tiny_app.py").write_text(APP_MODULE.format(topology=str(path)), encoding="utf-8")
+    return folder
+
+
+def run_worker(app_dir: Path, url: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*SCRIPT, "worker", "tiny_app:app", "--app-dir", str(app_dir), "--url", url, *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("transport", ["sync", "async"])
+@pytest.mark.parametrize("case", ["password", "port", "dns"])
+def test_worker_that_cannot_connect_prints_one_line(
+    app_dir: Path, broker_url: str, transport: str, case: str
+) -> None:
+    url, cause = unreachable(broker_url, case)
+    done = run_worker(app_dir, url, "--transport", transport)
+    one_error_line(done, cause)
+    assert "pika" not in done.stderr
+    assert "aiormq" not in done.stderr
+    assert "stopped" not in done.stderr  # the worker never started: no zero counts
+
+
+@pytest.mark.parametrize("transport", ["sync", "async"])
+def test_worker_debug_log_shows_the_client_library_details(
+    app_dir: Path, broker_url: str, transport: str
+) -> None:
+    url, cause = unreachable(broker_url, "port")
+    done = run_worker(app_dir, url, "--transport", transport, "--log-level", "debug")
+    assert done.returncode == 1, done.stderr
+    assert ("pika" if transport == "sync" else "aiormq") in done.stderr
+    assert "stopped" not in done.stderr  # a worker that never started has no counts to show
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: "), done.stderr
+    assert cause in lines[-1]
+    assert SECRET not in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("case", ["password", "port", "dns", "vhost"])
+def test_commands_that_cannot_connect_print_one_line(
+    topo: tuple[Topology, Path], broker_url: str, case: str
+) -> None:
+    _topology, path = topo
+    url, cause = unreachable(broker_url, case)
+    for command in ("status", "plan", "declare"):
+        done = subprocess.run(
+            [*SCRIPT, command, str(path), "--url", url, "--management-url", UNREACHABLE_MGMT],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        one_error_line(done, cause)
