@@ -167,14 +167,7 @@ class AsyncWorker(WorkerBase):
         housekeeping: asyncio.Task[None] | None = None
         try:
             await self._open()
-            log.info(
-                "worker %s consuming %s on %s (prefetch %d, concurrency %d)",
-                self.identity,
-                ", ".join(c.queue for c in self.consumers),
-                redact(self.url),
-                self.prefetch,
-                self.concurrency,
-            )
+            self.log_consuming()
             if self._guard is not None:
                 housekeeping = asyncio.create_task(self._housekeeping(self._guard))
             while not self._stop.is_set():
@@ -186,7 +179,7 @@ class AsyncWorker(WorkerBase):
                     w.cancel()
                 if self._stop.is_set():
                     break
-                log_connection_lost(self._lost_reason, self._queue_names())
+                log_connection_lost(self._lost_reason, self.queue_names())
                 self.stats.reconnects += 1
                 self.started.clear()
                 await self._close_connection()
@@ -211,10 +204,6 @@ class AsyncWorker(WorkerBase):
 
     # -- connection --------------------------------------------------------------------
 
-    def _queue_names(self) -> list[str]:
-        names = self.app.topology.names
-        return [names.business_queue(c.queue) for c in self.consumers]
-
     async def _open(self) -> None:
         connection = await _connect(self.url, self.name)
         try:
@@ -222,7 +211,7 @@ class AsyncWorker(WorkerBase):
             self.check_broker(broker)
             if self.declare:
                 await declare_topology(connection, self.app.topology)
-            for queue_name in self._queue_names():
+            for queue_name in self.queue_names():
                 await _check_queue(connection, queue_name)
             channel = await connection.channel(publisher_confirms=False)
             await channel.set_qos(prefetch_count=self.prefetch)
@@ -290,15 +279,15 @@ class AsyncWorker(WorkerBase):
 
     async def _reconnect(self) -> None:
         assert self._stop is not None
-        delay = 0.25
+        delays = self.reconnect_delays()
         while not self._stop.is_set():
             try:
                 await self._open()
             except (RabbitDelayError, aiormq.exceptions.AMQPError, OSError) as exc:
+                delay = next(delays)
                 log.warning("reconnect failed (%s); next try in %.1fs", redact(str(exc)), delay)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), delay)
-                delay = min(delay * 2, self.reconnect_max_s)
             else:
                 log.info("reconnected to %s", redact(self.url))
                 return
@@ -328,12 +317,7 @@ class AsyncWorker(WorkerBase):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(idle.wait(), 0.2)
         if self._tasks:
-            log.warning(
-                "shutdown timeout (%.0fs): %d message(s) still being handled; the broker "
-                "will redeliver them",
-                self.shutdown_timeout,
-                len(self._tasks),
-            )
+            self.log_shutdown_timeout(len(self._tasks))
         self._flush()
         if self._ack_writes:
             await asyncio.wait(list(self._ack_writes), timeout=5)
@@ -349,11 +333,7 @@ class AsyncWorker(WorkerBase):
             waited += 0.2
             if waited >= 10:
                 waited = 0.0
-                log.warning(
-                    "waiting for %d running handler(s) to finish (SIGINT/SIGTERM again to "
-                    "abandon them: their messages run again after the lease)",
-                    len(self._tasks),
-                )
+                self.log_still_running(len(self._tasks))
 
     # -- deliveries --------------------------------------------------------------------
 
@@ -535,17 +515,7 @@ class AsyncWorker(WorkerBase):
         sigs = (signal.SIGINT, signal.SIGTERM)
 
         def on_signal(sig: signal.Signals) -> None:
-            if self._stop_requested:
-                log.warning("signal %s again: stopping now, abandoning running handlers", sig.name)
-                self.stop(force=True)
-                return
-            log.info(
-                "signal %s: stopping (in-flight handlers get %.0fs; %s again stops at once)",
-                sig.name,
-                self.shutdown_timeout,
-                sig.name,
-            )
-            self.stop()
+            self.stop(force=self.on_signal(sig.name, self._stop_requested))
 
         for sig in sigs:
             loop.add_signal_handler(sig, on_signal, sig)

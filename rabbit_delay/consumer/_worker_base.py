@@ -7,7 +7,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
 from rabbit_delay.broker import BrokerInfo
@@ -24,7 +24,7 @@ from rabbit_delay.consumer._stats import (
     worker_identity,
 )
 from rabbit_delay.plan import check_broker, desired
-from rabbit_delay.urls import broker_url
+from rabbit_delay.urls import broker_url, redact
 
 if TYPE_CHECKING:
     from rabbit_delay.metrics import Metrics
@@ -143,6 +143,58 @@ class WorkerBase:
                 getattr(out, "exchange", "?"),
                 settled.publish_error,
             )
+
+    def queue_names(self) -> list[str]:
+        """The broker names of the business queues this worker consumes."""
+        names = self.app.topology.names
+        return [names.business_queue(c.queue) for c in self.consumers]
+
+    def reconnect_delays(self) -> Iterator[float]:
+        """Seconds to wait before each reconnect attempt: 0.25 s, doubling up to
+        `reconnect_max_s`."""
+        delay = 0.25
+        while True:
+            yield delay
+            delay = min(delay * 2, self.reconnect_max_s)
+
+    def log_consuming(self) -> None:
+        log.info(
+            "worker %s consuming %s on %s (prefetch %d, concurrency %d)",
+            self.identity,
+            ", ".join(c.queue for c in self.consumers),
+            redact(self.url),
+            self.prefetch,
+            self.concurrency,
+        )
+
+    def log_shutdown_timeout(self, unsettled: int) -> None:
+        log.warning(
+            "shutdown timeout (%.0fs): %d message(s) still being handled; the broker will "
+            "redeliver them; waiting for their handlers to record their results",
+            self.shutdown_timeout,
+            unsettled,
+        )
+
+    def log_still_running(self, running: int) -> None:
+        log.warning(
+            "waiting for %d running handler(s) to finish (SIGINT/SIGTERM again to abandon "
+            "them: their messages run again after the lease)",
+            running,
+        )
+
+    def on_signal(self, name: str, stopping: bool) -> bool:
+        """A SIGINT/SIGTERM arrived: the first stops gracefully, a second one (`stopping`)
+        forces the stop. Returns True to force."""
+        if stopping:
+            log.warning("signal %s again: stopping now, abandoning running handlers", name)
+            return True
+        log.info(
+            "signal %s: stopping (in-flight handlers get %.0fs; %s again stops at once)",
+            name,
+            self.shutdown_timeout,
+            name,
+        )
+        return False
 
     def log_stopped(self) -> None:
         """The last line of a worker that consumed; one that never started has said why

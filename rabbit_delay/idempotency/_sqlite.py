@@ -36,6 +36,11 @@ _PURGE_SLICE = 2_000
 # A claim whose UPSERT changed nothing is read back; if the row changed between the two
 # statements (released, purged) the claim is tried again, at most this many times.
 _CLAIM_ATTEMPTS = 5
+# The batch operations write up to this many rows per statement. A statement, not a
+# row, is what costs the Python overhead and a release and re-acquire of the GIL (which,
+# while other threads want it, may cost a whole switch interval). Two parameters a row
+# stay under the 999 that an SQLite before 3.32 allows.
+_BATCH_ROWS = 200
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS {t} (
@@ -76,6 +81,28 @@ ON CONFLICT (key) DO UPDATE SET state = 'cancelled', owner = NULL,
 # instead, a slice at a time, releasing the write lock between slices.
 _PURGE_SLICE_END = "SELECT max(key) FROM (SELECT key FROM {t} WHERE key > ?1 ORDER BY key LIMIT ?2)"
 _PURGE = "DELETE FROM {t} WHERE key > ?1 AND key <= ?2 AND expires_at <= ?3"
+
+# The batch forms: one statement for many items (up to _BATCH_ROWS), each row processed
+# in order exactly as its single statement would be, so a key twice in one batch behaves
+# as in two statements. ?1 now, ?2 lease or retention end, then key and owner of each row.
+_CLAIM_ROWS = """
+INSERT INTO {t} (key, state, owner, expires_at) VALUES {rows}
+ON CONFLICT (key) DO UPDATE SET
+    state = 'claimed', owner = excluded.owner, expires_at = excluded.expires_at
+WHERE expires_at <= ?1 OR (state = 'claimed' AND owner = excluded.owner)
+"""
+_COMPLETE_ROWS = """
+INSERT INTO {t} (key, state, owner, expires_at) VALUES {rows}
+ON CONFLICT (key) DO UPDATE SET
+    state = 'done', owner = excluded.owner, expires_at = excluded.expires_at
+WHERE state = 'claimed' OR expires_at <= ?1
+"""
+# ?1.. key and owner of each row. The key IN (...) lets SQLite search the primary key;
+# the row-value IN alone would scan the table.
+_RELEASE_ROWS = """
+DELETE FROM {t} WHERE key IN ({keys}) AND state = 'claimed' AND (key, owner) IN (VALUES {rows})
+"""
+_READ_ROWS = "SELECT key, state, owner, expires_at FROM {t} WHERE key IN ({keys})"
 
 
 class SQLiteStore:
@@ -133,6 +160,7 @@ class SQLiteStore:
         self._cancel_sql = _CANCEL.format(t=table)
         self._purge_slice_sql = _PURGE_SLICE_END.format(t=table)
         self._purge_sql = _PURGE.format(t=table)
+        self._rows_sql: dict[tuple[str, int], str] = {}
 
     # -- IdempotencyStore --------------------------------------------------------------
 
@@ -163,29 +191,86 @@ class SQLiteStore:
     def claim_many(
         self, items: Sequence[ClaimItem], *, now_ms: int, lease_ms: int
     ) -> list[ClaimResult | Exception]:
-        """See `IdempotencyStore.claim_many`: one transaction (`run_batch`)."""
-        return self._run_items(
-            [partial(self._claim, key, owner, now_ms, lease_ms) for key, owner in items]
-        )
+        """See `IdempotencyStore.claim_many`: one multi-row UPSERT per `_BATCH_ROWS`
+        items (one transaction for all of them), plus one read when some are held."""
+
+        def each() -> list[Callable[[], Any]]:
+            return [partial(self._claim, key, owner, now_ms, lease_ms) for key, owner in items]
+
+        # The multi-row claim needs a positive lease: then an item's outcome depends on
+        # its (key, owner) alone (see _claim_rows).
+        if len(items) < 2 or lease_ms <= 0:
+            return self._run_items(each())
+        whole = partial(self._claim_rows, items, now_ms, lease_ms)
+        # One chunk is one UPSERT, a transaction by itself (the read that may follow is
+        # one too, like _claim's).
+        return self._run_whole(whole, each, len(items), begin=len(items) > _BATCH_ROWS)
 
     def finish_many(
         self, items: Sequence[FinishItem], *, now_ms: int, retention_ms: int
     ) -> list[Exception | None]:
-        """See `IdempotencyStore.finish_many`: one transaction (`run_batch`)."""
-        return self._run_items(
-            [
+        """See `IdempotencyStore.finish_many`: one transaction, one statement per
+        `_BATCH_ROWS` completes and one per `_BATCH_ROWS` releases (a lone statement
+        is its own transaction)."""
+
+        def each() -> list[Callable[[], Any]]:
+            return [
                 partial(self._complete, key, owner, now_ms, retention_ms)
                 if succeeded
                 else partial(self._release, key, owner)
                 for key, owner, succeeded in items
             ]
-        )
+
+        if len(items) < 2:
+            return self._run_items(each())
+        whole = partial(self._finish_rows, items, now_ms, retention_ms)
+        completes = sum(1 for _, _, succeeded in items if succeeded)
+        one_statement = completes in (0, len(items)) and len(items) <= _BATCH_ROWS
+        return self._run_whole(whole, each, len(items), begin=not one_statement)
 
     def _run_items(self, ops: Sequence[Callable[[], Any]]) -> list[Any]:
         try:
             return self.run_batch(ops, wait=True)
         except sqlite3.Error as exc:  # the write lock stayed busy past the timeout
             return [exc] * len(ops)
+
+    def _run_whole(
+        self,
+        whole: Callable[[], list[Any]],
+        each: Callable[[], Sequence[Callable[[], Any]]],
+        n: int,
+        *,
+        begin: bool,
+    ) -> list[Any]:
+        """Run `whole` (a batch of `n` items in a few statements) like `run_batch`: in
+        one transaction, or with `begin=False` in autocommit (a `whole` that writes in
+        one statement: BEGIN and COMMIT would cost two more waits for the GIL). When a
+        statement fails, it is rolled back and each op of `each()` runs in its own
+        transaction, so one bad item fails alone. A write lock still busy after the
+        timeout fails every item."""
+        with self._lock:
+            self._set_wait(True)
+            if not begin:
+                try:
+                    return whole()
+                except sqlite3.Error as exc:
+                    if is_busy(exc):
+                        return [exc] * n
+                return self._run_each(each())
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                return [exc] * n
+            try:
+                results = whole()
+                self._conn.execute("COMMIT")
+                return results
+            except sqlite3.Error:
+                pass
+            finally:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+            return self._run_each(each())
 
     def cancel(self, key: str, *, now_ms: int, retention_ms: int) -> None:
         """See `IdempotencyStore.cancel`. Raises `sqlite3.Error`."""
@@ -289,13 +374,17 @@ class SQLiteStore:
             finally:
                 if self._conn.in_transaction:
                     self._conn.execute("ROLLBACK")
-            outcomes: list[Any] = []
-            for op in ops:
-                try:
-                    outcomes.append(op())
-                except sqlite3.Error as exc:
-                    outcomes.append(exc)
-            return outcomes
+            return self._run_each(ops)
+
+    def _run_each(self, ops: Sequence[Callable[[], Any]]) -> list[Any]:
+        # Each op in its own (autocommit) transaction; the caller holds self._lock.
+        outcomes: list[Any] = []
+        for op in ops:
+            try:
+                outcomes.append(op())
+            except sqlite3.Error as exc:
+                outcomes.append(exc)
+        return outcomes
 
     def _set_wait(self, wait: bool) -> None:
         # The group-commit path must not wait for the lock on the event loop; everything
@@ -324,6 +413,98 @@ class SQLiteStore:
             return ClaimResult.IN_PROGRESS
         # The row keeps changing under us: another owner is busy with it.
         return ClaimResult.IN_PROGRESS
+
+    def _claim_rows(
+        self, items: Sequence[ClaimItem], now_ms: int, lease_ms: int
+    ) -> list[ClaimResult]:
+        # The UPSERT takes rows in item order, as separate claims would. With a positive
+        # lease, the items of one (key, owner) all win or all lose: after a win the row
+        # is that owner's live claim, which no other owner can take; after a loss the
+        # row stays live and not theirs (only its holder renews it). So when the UPSERT
+        # changed fewer rows than there are items, the row as it is now tells each
+        # item's outcome: ours and live, claimed; else what holds it, as in _claim.
+        prefix = self.prefix
+        keys = [prefix + key for key, _ in items]
+        changed = 0
+        for start in range(0, len(items), _BATCH_ROWS):
+            end = min(start + _BATCH_ROWS, len(items))
+            params: list[Any] = [now_ms, now_ms + lease_ms]
+            for i in range(start, end):
+                params.append(keys[i])
+                params.append(items[i][1])
+            sql = self._rows_statement(_CLAIM_ROWS, end - start)
+            changed += self._conn.execute(sql, params).rowcount
+        if changed == len(items):  # every item changed a row: each claimed (the rule)
+            return [ClaimResult.CLAIMED] * len(items)
+        # Some are held (a duplicate, a redelivery): one read to say by what. Outside a
+        # transaction a row may change between the two statements; _claim's own read
+        # has the same gap and the same answer: what the row now is, else a retry.
+        distinct = list(dict.fromkeys(keys))
+        rows: dict[str, tuple[str, str | None, int]] = {}
+        for start in range(0, len(distinct), _BATCH_ROWS):
+            chunk = distinct[start : start + _BATCH_ROWS]
+            sql = self._rows_statement(_READ_ROWS, len(chunk))
+            for key, state, owner, expires_at in self._conn.execute(sql, chunk):
+                rows[key] = (state, owner, expires_at)
+        results: list[ClaimResult] = []
+        for k, (key, owner) in zip(keys, items, strict=True):
+            row = rows.get(k)
+            if row is None or row[2] <= now_ms:
+                # Released or purged since the UPSERT: the single claim decides.
+                results.append(self._claim(key, owner, now_ms, lease_ms))
+            elif row[0] == "done":
+                results.append(ClaimResult.DONE)
+            elif row[0] == "cancelled":
+                results.append(ClaimResult.CANCELLED)
+            elif row[1] == owner:
+                results.append(ClaimResult.CLAIMED)
+            else:
+                results.append(ClaimResult.IN_PROGRESS)
+        return results
+
+    def _finish_rows(
+        self, items: Sequence[FinishItem], now_ms: int, retention_ms: int
+    ) -> list[Exception | None]:
+        # Releases first, then completes. The order between the two kinds does not
+        # matter: after a complete the row is done or cancelled, which a release never
+        # touches, and a complete overwrites a claim as surely as it fills the gap a
+        # release left. Within each kind the items keep their order.
+        prefix = self.prefix
+        released: list[Any] = []
+        completed: list[Any] = []
+        for key, owner, succeeded in items:
+            if succeeded:
+                completed.append(prefix + key)
+                completed.append(owner)
+            else:
+                released.append(prefix + key)
+                released.append(owner)
+        step = 2 * _BATCH_ROWS
+        for start in range(0, len(released), step):
+            chunk = released[start : start + step]
+            self._conn.execute(self._rows_statement(_RELEASE_ROWS, len(chunk) // 2), chunk)
+        for start in range(0, len(completed), step):
+            chunk = completed[start : start + step]
+            params = [now_ms, now_ms + retention_ms, *chunk]
+            self._conn.execute(self._rows_statement(_COMPLETE_ROWS, len(chunk) // 2), params)
+        return [None] * len(items)
+
+    def _rows_statement(self, template: str, n: int) -> str:
+        """`template` for `n` rows (n keys for _READ_ROWS), built once per size."""
+        sql = self._rows_sql.get((template, n))
+        if sql is None:
+            if template is _READ_ROWS:
+                sql = template.format(t=self.table, keys=",".join(["?"] * n))
+            elif template is _RELEASE_ROWS:
+                keys = ",".join(f"?{2 * i + 1}" for i in range(n))
+                rows = ",".join(f"(?{2 * i + 1},?{2 * i + 2})" for i in range(n))
+                sql = template.format(t=self.table, keys=keys, rows=rows)
+            else:
+                state = "claimed" if template is _CLAIM_ROWS else "done"
+                rows = ",".join(f"(?{2 * i + 3},'{state}',?{2 * i + 4},?2)" for i in range(n))
+                sql = template.format(t=self.table, rows=rows)
+            self._rows_sql[(template, n)] = sql
+        return sql
 
     def _complete(self, key: str, owner: str, now_ms: int, retention_ms: int) -> None:
         args = (self.prefix + key, owner, now_ms + retention_ms, now_ms)

@@ -168,21 +168,14 @@ class Worker(WorkerBase):
         try:
             self._start_threads()
             self._open()
-            log.info(
-                "worker %s consuming %s on %s (prefetch %d, concurrency %d)",
-                self.identity,
-                ", ".join(c.queue for c in self.consumers),
-                redact(self.url),
-                self.prefetch,
-                self.concurrency,
-            )
+            self.log_consuming()
             while not self._stop.is_set():
                 try:
                     self._loop()
                 except _CONNECTION_ERRORS as exc:
                     if self._stop.is_set():
                         break
-                    log_connection_lost(self._why(exc), self._queue_names())
+                    log_connection_lost(self._why(exc), self.queue_names())
                     self._lost()
                     self._reconnect()
             if self._conn is not None:
@@ -232,10 +225,6 @@ class Worker(WorkerBase):
             exc = reason
         return redact(repr(exc))
 
-    def _queue_names(self) -> list[str]:
-        names = self.app.topology.names
-        return [names.business_queue(c.queue) for c in self.consumers]
-
     def _open(self) -> None:
         conn = connect(self.url, name=self.name)
         try:
@@ -243,7 +232,7 @@ class Worker(WorkerBase):
             self.check_broker(broker)
             if self.declare:
                 declare_topology(conn, self.app.topology)
-            queue_names = self._queue_names()
+            queue_names = self.queue_names()
             for queue_name in queue_names:
                 _check_queue(conn, queue_name)
             channel = conn.channel()
@@ -296,14 +285,14 @@ class Worker(WorkerBase):
         self._close_connection()
 
     def _reconnect(self) -> None:
-        delay = 0.25
+        delays = self.reconnect_delays()
         while not self._stop.is_set():
             try:
                 self._open()
             except (RabbitDelayError, *_CONNECTION_ERRORS) as exc:
+                delay = next(delays)
                 log.warning("reconnect failed (%s); next try in %.1fs", redact(str(exc)), delay)
                 self._stop.wait(delay)
-                delay = min(delay * 2, self.reconnect_max_s)
             else:
                 log.info("reconnected to %s", redact(self.url))
                 return
@@ -334,12 +323,7 @@ class Worker(WorkerBase):
             self._gen += 1
             return
         if self._inflight:
-            log.warning(
-                "shutdown timeout (%.0fs): %d message(s) still being handled; the broker "
-                "will redeliver them",
-                self.shutdown_timeout,
-                self._inflight,
-            )
+            self.log_shutdown_timeout(self._inflight)
         self._gen += 1  # what settles from now on cannot be acked
         self._close_connection()
 
@@ -353,11 +337,7 @@ class Worker(WorkerBase):
             self._drain()
             if time.monotonic() - last_note >= 10:
                 last_note = time.monotonic()
-                log.warning(
-                    "waiting for %d running handler(s) to finish (SIGINT/SIGTERM again to "
-                    "abandon them: their messages run again after the lease)",
-                    self._running,
-                )
+                self.log_still_running(self._running)
         self._drain()
 
     def _on_message(
@@ -573,17 +553,8 @@ class Worker(WorkerBase):
 
         def on_signal(signum: int, _frame: FrameType | None) -> None:
             # Only set flags here: the loop polls them (pika is not reentrant).
-            name = signal.Signals(signum).name
-            if self._stop.is_set():
-                log.warning("signal %s again: stopping now, abandoning running handlers", name)
+            if self.on_signal(signal.Signals(signum).name, self._stop.is_set()):
                 self._force.set()
-                return
-            log.info(
-                "signal %s: stopping (in-flight handlers get %.0fs; %s again stops at once)",
-                name,
-                self.shutdown_timeout,
-                name,
-            )
             self._stop.set()
 
         for sig in previous:

@@ -860,14 +860,206 @@ def test_guard_a_batch_that_raises_fills_every_slot() -> None:
     assert guard.stats.claimed == 0
 
 
-def test_sqlite_claim_many_is_one_transaction(counting: CountingStore) -> None:
-    keys = [new_key() for _ in range(20)]
-    assert (
-        counting.claim_many([(k, "a") for k in keys], now_ms=T0, lease_ms=LEASE) == [CLAIMED] * 20
-    )
-    items = [(k, "a", i % 2 == 0) for i, k in enumerate(keys)]
-    assert counting.finish_many(items, now_ms=T0, retention_ms=RETENTION) == [None] * 20
-    assert counting.batches == [20, 20]
+def traced(store: SQLiteStore) -> list[str]:
+    """The first word of each statement `store` runs from now on."""
+    seen: list[str] = []
+    store._conn.set_trace_callback(lambda sql: seen.append(sql.split()[0].upper()))
+    return seen
+
+
+def test_sqlite_batches_write_in_one_statement_per_kind(tmp_path: Path) -> None:
+    with SQLiteStore(tmp_path / "idem.sqlite3") as store:
+        keys = [new_key() for _ in range(20)]
+        seen = traced(store)
+        claims = [(k, "a") for k in keys]
+        assert store.claim_many(claims, now_ms=T0, lease_ms=LEASE) == [CLAIMED] * 20
+        assert seen == ["INSERT"]  # one statement: its own transaction
+        seen.clear()
+        items = [(k, "a", i % 2 == 0) for i, k in enumerate(keys)]
+        assert store.finish_many(items, now_ms=T0, retention_ms=RETENTION) == [None] * 20
+        assert seen == ["BEGIN", "DELETE", "INSERT", "COMMIT"]
+        seen.clear()
+        # Held rows: the claim reads them back, once.
+        results = store.claim_many(claims, now_ms=T0 + 1, lease_ms=LEASE)
+        assert results == [DONE if i % 2 == 0 else CLAIMED for i in range(20)]
+        assert seen == ["INSERT", "SELECT"]
+
+
+def test_sqlite_batch_larger_than_a_statement_is_one_transaction(tmp_path: Path) -> None:
+    with SQLiteStore(tmp_path / "idem.sqlite3") as store:
+        keys = [new_key() for _ in range(450)]
+        seen = traced(store)
+        claims = [(k, "a") for k in keys] + [(keys[0], "b"), (keys[449], "a")]
+        assert store.claim_many(claims, now_ms=T0, lease_ms=LEASE) == (
+            [CLAIMED] * 450 + [IN_PROGRESS, CLAIMED]
+        )
+        # Three UPSERTs (200 + 200 + 52 rows), then the read of the 450 keys, in one go.
+        assert seen == ["BEGIN"] + ["INSERT"] * 3 + ["SELECT"] * 3 + ["COMMIT"]
+        seen.clear()
+        items = [(k, "a", True) for k in keys]
+        assert store.finish_many(items, now_ms=T0, retention_ms=RETENTION) == [None] * 450
+        assert seen == ["BEGIN", "INSERT", "INSERT", "INSERT", "COMMIT"]
+        assert store.claim(keys[300], "b", now_ms=T0, lease_ms=LEASE) is DONE
+
+
+def sequential_and_batched(
+    tmp_path: Path, setup: Callable[[SQLiteStore], None]
+) -> tuple[SQLiteStore, SQLiteStore]:
+    """Two stores in two files, both prepared by `setup`."""
+    one, two = SQLiteStore(tmp_path / "one.sqlite3"), SQLiteStore(tmp_path / "two.sqlite3")
+    setup(one)
+    setup(two)
+    return one, two
+
+
+def table_of(store: SQLiteStore) -> list[tuple[Any, ...]]:
+    return store._conn.execute(f"SELECT * FROM {store.table} ORDER BY key").fetchall()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_sqlite_batches_match_the_single_operations(tmp_path: Path, seed: int) -> None:
+    """Random batches over a few keys in every state, with repeats: the same results and
+    rows as the single operations one after the other."""
+    import random
+
+    rng = random.Random(seed)
+    keys = [f"k{i}" for i in range(8)]
+    owners = ["a", "b", "c"]
+
+    def setup(store: SQLiteStore) -> None:
+        for i, key in enumerate(keys):
+            kind = i % 5
+            if kind == 0:
+                store.claim(key, "a", now_ms=T0, lease_ms=LEASE)  # held by a
+            elif kind == 1:
+                store.claim(key, "x", now_ms=T0 - 2 * LEASE, lease_ms=LEASE)  # lapsed
+            elif kind == 2:
+                store.complete(key, "x", now_ms=T0, retention_ms=RETENTION)
+            elif kind == 3:
+                store.cancel(key, now_ms=T0, retention_ms=RETENTION)
+            # kind 4: absent
+
+    one, two = sequential_and_batched(tmp_path, setup)
+    try:
+        now = T0 + 1
+        for _ in range(6):
+            size = rng.randint(2, 12)
+            claims = [(rng.choice(keys), rng.choice(owners)) for _ in range(size)]
+            expected = [one.claim(k, o, now_ms=now, lease_ms=LEASE) for k, o in claims]
+            assert two.claim_many(claims, now_ms=now, lease_ms=LEASE) == expected, claims
+            assert table_of(two) == table_of(one)
+            finishes = [(k, o, rng.random() < 0.5) for k, o in claims if rng.random() < 0.7]
+            for k, o, succeeded in finishes:
+                if succeeded:
+                    one.complete(k, o, now_ms=now, retention_ms=RETENTION)
+                else:
+                    one.release(k, o)
+            results = two.finish_many(finishes, now_ms=now, retention_ms=RETENTION)
+            assert results == [None] * len(finishes)
+            assert table_of(two) == table_of(one), finishes
+            now += rng.choice([1, LEASE // 2, LEASE])
+    finally:
+        one.close()
+        two.close()
+
+
+def test_sqlite_claim_many_mixed_states_and_repeats(tmp_path: Path) -> None:
+    with SQLiteStore(tmp_path / "idem.sqlite3") as store:
+        store.complete("done", "x", now_ms=T0, retention_ms=RETENTION)
+        store.cancel("tomb", now_ms=T0, retention_ms=RETENTION)
+        store.claim("held", "x", now_ms=T0, lease_ms=LEASE)
+        store.claim("lapsed", "x", now_ms=T0 - LEASE, lease_ms=LEASE)
+        store.claim("mine", "a", now_ms=T0, lease_ms=LEASE)
+        items = [
+            ("free", "a"),
+            ("done", "a"),
+            ("held", "a"),
+            ("tomb", "a"),
+            ("lapsed", "b"),
+            ("mine", "a"),
+            ("free", "b"),  # taken by the first item
+            ("lapsed", "a"),  # taken by b just before
+            ("held", "x"),  # the holder renews
+            ("free", "a"),  # re-entrant
+        ]
+        results = store.claim_many(items, now_ms=T0 + 1, lease_ms=LEASE)
+        assert results == [
+            CLAIMED,
+            DONE,
+            IN_PROGRESS,
+            CANCELLED,
+            CLAIMED,
+            CLAIMED,
+            IN_PROGRESS,
+            IN_PROGRESS,
+            CLAIMED,
+            CLAIMED,
+        ]
+        assert store.renew("lapsed", "b", now_ms=T0 + 2, lease_ms=LEASE) is True
+        assert store.claim("held", "c", now_ms=T0 + LEASE, lease_ms=LEASE) is IN_PROGRESS
+
+
+def test_sqlite_claim_many_with_no_lease_claims_item_by_item(tmp_path: Path) -> None:
+    # A lease of 0 ends at once: each item, duplicate or not, finds the key free.
+    with SQLiteStore(tmp_path / "idem.sqlite3") as store:
+        results = store.claim_many([("k", "a"), ("k", "b"), ("k", "a")], now_ms=T0, lease_ms=0)
+        assert results == [CLAIMED, CLAIMED, CLAIMED]
+
+
+def test_sqlite_claim_many_retries_a_row_released_before_the_read(tmp_path: Path) -> None:
+    """Between the UPSERT and the read another process may release the holder's claim:
+    the item is claimed again, as `claim` does."""
+    path = tmp_path / "idem.sqlite3"
+    with SQLiteStore(path) as store, SQLiteStore(path) as other:
+        assert other.claim("held", "x", now_ms=T0, lease_ms=LEASE) is CLAIMED
+        conn = store._conn
+        real = store._rows_statement
+
+        def release_first(template: str, n: int) -> str:
+            sql = real(template, n)
+            if sql.lstrip().startswith("SELECT"):
+                other.release("held", "x")
+            return sql
+
+        store._rows_statement = release_first  # type: ignore[method-assign]
+        results = store.claim_many([("free", "a"), ("held", "a")], now_ms=T0, lease_ms=LEASE)
+        assert results == [CLAIMED, CLAIMED]
+        assert conn.in_transaction is False
+        assert other.claim("held", "b", now_ms=T0, lease_ms=LEASE) is IN_PROGRESS
+
+
+def test_sqlite_finish_many_a_failing_item_fails_alone_among_releases(tmp_path: Path) -> None:
+    with SQLiteStore(tmp_path / "idem.sqlite3") as store:
+        claims = [("k1", "a"), ("k2", "a"), ("k3", "a")]
+        assert store.claim_many(claims, now_ms=T0, lease_ms=LEASE) == [CLAIMED] * 3
+        poison_trigger(store, "bad")
+        items = [("k1", "a", False), ("bad", "a", True), ("k2", "a", True), ("k3", "a", False)]
+        finished = store.finish_many(items, now_ms=T0, retention_ms=RETENTION)
+        assert [finished[0], finished[2], finished[3]] == [None, None, None]
+        assert isinstance(finished[1], sqlite3.IntegrityError)
+        assert store.claim("k1", "b", now_ms=T0, lease_ms=LEASE) is CLAIMED
+        assert store.claim("k2", "b", now_ms=T0, lease_ms=LEASE) is DONE
+        assert store.claim("k3", "b", now_ms=T0, lease_ms=LEASE) is CLAIMED
+
+
+def test_sqlite_finish_many_on_a_locked_file_fails_every_item(tmp_path: Path) -> None:
+    path = tmp_path / "idem.sqlite3"
+    with SQLiteStore(path, busy_timeout_s=0.1) as store:
+        assert store.claim_many([("k1", "a"), ("k2", "a")], now_ms=T0, lease_ms=LEASE) == [
+            CLAIMED,
+            CLAIMED,
+        ]
+        holder = sqlite3.connect(path, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        try:
+            for succeeded in (True, False):
+                items = [("k1", "a", succeeded), ("k2", "a", succeeded)]
+                results = store.finish_many(items, now_ms=T0, retention_ms=RETENTION)
+                assert all(isinstance(r, sqlite3.OperationalError) for r in results), results
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        assert store.claim("k1", "b", now_ms=T0, lease_ms=LEASE) is IN_PROGRESS
 
 
 def poison_trigger(store: SQLiteStore, key: str) -> None:
