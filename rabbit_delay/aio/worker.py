@@ -36,9 +36,10 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from functools import partial
+from queue import SimpleQueue
 from typing import Any, Unpack
 
 import aio_pika
@@ -132,7 +133,7 @@ class AsyncWorker(WorkerBase):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._idle: asyncio.Event | None = None
         self._batches: _StoreBatches | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: _DaemonThreads | None = None
         self._to_flush: dict[AckTracker, RawChannel] = {}
         self._ack_writes: set[asyncio.Future[None]] = set()
         self._ack_order = asyncio.Lock()  # ack frames reach the wire in flush order
@@ -162,7 +163,7 @@ class AsyncWorker(WorkerBase):
             self._guard = self.app.async_guard()
             self._batches = _StoreBatches(self._guard)
         if any(not c.is_async for c in self.consumers):
-            self._executor = ThreadPoolExecutor(self.concurrency, "rabbit-delay-handler")
+            self._executor = _DaemonThreads(self.concurrency, "rabbit-delay-handler")
         restore = self._install_signals()
         housekeeping: asyncio.Task[None] | None = None
         try:
@@ -197,7 +198,8 @@ class AsyncWorker(WorkerBase):
             if housekeeping is not None:
                 housekeeping.cancel()
             if self._executor is not None:
-                # Forced: a running `def` handler cannot be interrupted; it is left to run.
+                # Forced: a running `def` handler cannot be interrupted; its daemon thread
+                # is left behind, and the process may exit under it.
                 self._executor.shutdown(wait=not abandoned, cancel_futures=True)
             restore()
             self.log_stopped()
@@ -317,7 +319,7 @@ class AsyncWorker(WorkerBase):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(idle.wait(), 0.2)
         if self._tasks:
-            self.log_shutdown_timeout(len(self._tasks))
+            self.log_shutdown_timeout(len(self._tasks), self._force)
         self._flush()
         if self._ack_writes:
             await asyncio.wait(list(self._ack_writes), timeout=5)
@@ -535,6 +537,56 @@ class _Live:
     tracker: AckTracker
     tag: int
     ctag: str
+
+
+class _DaemonThreads(Executor):
+    """The pool for plain `def` handlers: daemon threads, so a forced stop (a second
+    SIGINT/SIGTERM) can end the process under a handler that is still running, which
+    `ThreadPoolExecutor` would wait for at interpreter exit."""
+
+    def __init__(self, size: int, prefix: str) -> None:
+        self._jobs: SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
+            SimpleQueue()
+        )
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{prefix}-{i}", daemon=True)
+            for i in range(size)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        call = partial(fn, **kwargs) if kwargs else fn
+        self._jobs.put((future, call, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if cancel_futures:
+            while not self._jobs.empty():
+                job = self._jobs.get_nowait()
+                if job is not None:
+                    job[0].cancel()
+        for _ in self._threads:
+            self._jobs.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()
 
 
 class _StoreBatches:

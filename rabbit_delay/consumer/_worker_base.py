@@ -167,7 +167,14 @@ class WorkerBase:
             self.concurrency,
         )
 
-    def log_shutdown_timeout(self, unsettled: int) -> None:
+    def log_shutdown_timeout(self, unsettled: int, forced: bool = False) -> None:
+        if forced:
+            log.warning(
+                "forced stop: %d message(s) still being handled are abandoned; the broker "
+                "redelivers them, and they run again once their lease has run out",
+                unsettled,
+            )
+            return
         log.warning(
             "shutdown timeout (%.0fs): %d message(s) still being handled; the broker will "
             "redeliver them; waiting for their handlers to record their results",

@@ -588,25 +588,20 @@ class AsyncSQLiteStore:
     async def claim_many(
         self, items: Sequence[ClaimItem], *, now_ms: int, lease_ms: int
     ) -> list[ClaimResult | Exception]:
-        """See `IdempotencyStore.claim_many`: every item joins one group commit."""
-        claim = self.store._claim
-        return await self._submit_many(
-            [partial(claim, key, owner, now_ms, lease_ms) for key, owner in items]
-        )
+        """See `IdempotencyStore.claim_many`: the batch as `SQLiteStore.claim_many`
+        (multi-row statements) on this store's thread, in turn with the group commits."""
+        loop = asyncio.get_running_loop()
+        run = partial(self.store.claim_many, items, now_ms=now_ms, lease_ms=lease_ms)
+        return await loop.run_in_executor(self._executor, run)
 
     async def finish_many(
         self, items: Sequence[FinishItem], *, now_ms: int, retention_ms: int
     ) -> list[Exception | None]:
-        """See `IdempotencyStore.finish_many`: every item joins one group commit."""
-        complete, release = self.store._complete, self.store._release
-        return await self._submit_many(
-            [
-                partial(complete, key, owner, now_ms, retention_ms)
-                if succeeded
-                else partial(release, key, owner)
-                for key, owner, succeeded in items
-            ]
-        )
+        """See `IdempotencyStore.finish_many`: as `SQLiteStore.finish_many`, on this
+        store's thread."""
+        loop = asyncio.get_running_loop()
+        run = partial(self.store.finish_many, items, now_ms=now_ms, retention_ms=retention_ms)
+        return await loop.run_in_executor(self._executor, run)
 
     async def cancel(self, key: str, *, now_ms: int, retention_ms: int) -> None:
         """See `IdempotencyStore.cancel`. Raises `sqlite3.Error`."""

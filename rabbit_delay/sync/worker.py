@@ -95,6 +95,16 @@ _CONNECTION_ERRORS = (
 )
 
 
+# (finishes, their results, claims, their results)
+_StoreJob = tuple[list[tuple["_Live", Finish]], list[tuple["_Live", Claim]]]
+_StoreDone = tuple[
+    list[tuple["_Live", Finish]],
+    list[Exception | None],
+    list[tuple["_Live", Claim]],
+    list[ClaimResult | Exception],
+]
+
+
 @dataclass(slots=True, eq=False)
 class _Live:
     """One delivery whose program is running."""
@@ -145,6 +155,11 @@ class Worker(WorkerBase):
         self._claims: list[tuple[_Live, Claim]] = []  # waiting for the next store batch
         self._finishes: list[tuple[_Live, Finish]] = []
         self._pause = 0.0
+        # The store thread: one batch (finishes, then claims) at a time, off the
+        # connection thread, which meanwhile reads deliveries and gathers the next batch.
+        self._store_jobs: SimpleQueue[_StoreJob | None] = SimpleQueue()
+        self._store_done: deque[_StoreDone] = deque()
+        self._store_busy = False
         self._wake_pending = False
         self._threads: list[threading.Thread] = []
         self._housekeeper: threading.Thread | None = None
@@ -186,6 +201,7 @@ class Worker(WorkerBase):
             self._close_connection()
             for _ in self._threads:
                 self._jobs.put(None)
+            self._store_jobs.put(None)
             self._done.set()
             if self._housekeeper is not None:
                 self._housekeeper.join(timeout=5)
@@ -323,7 +339,7 @@ class Worker(WorkerBase):
             self._gen += 1
             return
         if self._inflight:
-            self.log_shutdown_timeout(self._inflight)
+            self.log_shutdown_timeout(self._inflight, self._force.is_set())
         self._gen += 1  # what settles from now on cannot be acked
         self._close_connection()
 
@@ -332,7 +348,7 @@ class Worker(WorkerBase):
         store (done or released), so it is never closed under one. A forced stop skips
         this: their claims run out after the lease."""
         last_note = time.monotonic()
-        while (self._running or self._results) and not self._force.is_set():
+        while self._unfinished() and not self._force.is_set():
             time.sleep(0.05)
             self._drain()
             if time.monotonic() - last_note >= 10:
@@ -437,31 +453,62 @@ class Worker(WorkerBase):
             return exc
         return None
 
+    def _unfinished(self) -> bool:
+        """Handlers running, results or store work not yet taken in."""
+        return bool(
+            self._running
+            or self._results
+            or self._store_busy
+            or self._store_done
+            or self._claims
+            or self._finishes
+        )
+
     def _store_batches(self) -> None:
-        """The claims and finishes the programs wait for, each kind in one store batch."""
-        guard = self._guard
-        while self._claims or self._finishes:
-            if self._finishes:
-                finishes, self._finishes = self._finishes, []
-                for _, step in finishes:
-                    if self.leases.drop(step.owner):
-                        log.warning("%s finished after its lease was lost", step.key)
-                assert guard is not None
-                done = guard.finish_many([(s.key, s.owner, s.succeeded) for _, s in finishes])
-                for (live, _), finished in zip(finishes, done, strict=True):
-                    self._advance(live, finished)
-            if self._claims:
-                claims, self._claims = self._claims, []
-                assert guard is not None
-                results = guard.claim_many([(s.key, s.owner) for _, s in claims])
-                now = clock_ms()
-                for (live, claim), result in zip(claims, results, strict=True):
-                    if result is ClaimResult.CLAIMED:
-                        self.leases.hold(claim.key, claim.owner, now)
-                    self._advance(live, result)
+        """Take in the store thread's results, and hand it the claims and finishes the
+        programs wait for, as one batch, when it is free."""
+        while self._store_done:
+            finishes, finished, claims, claimed = self._store_done.popleft()
+            self._store_busy = False
+            for (live, _), result in zip(finishes, finished, strict=True):
+                self._advance(live, result)
+            now = clock_ms()
+            for (live, claim), outcome in zip(claims, claimed, strict=True):
+                if outcome is ClaimResult.CLAIMED:
+                    self.leases.hold(claim.key, claim.owner, now)
+                self._advance(live, outcome)
+        if not self._store_busy and (self._claims or self._finishes):
+            finishes, self._finishes = self._finishes, []
+            claims, self._claims = self._claims, []
+            for _, step in finishes:
+                if self.leases.drop(step.owner):
+                    log.warning("%s finished after its lease was lost", step.key)
+            self._store_busy = True
+            self._store_jobs.put((finishes, claims))
         if self._pause:
             pause, self._pause = self._pause, 0.0
             time.sleep(pause)  # back-pressure: the store is failing
+
+    def _store_work(self, guard: Guard) -> None:
+        """The store thread: runs one batch at a time (sqlite3 and the network release
+        the GIL, so the connection thread goes on meanwhile)."""
+        while True:
+            job = self._store_jobs.get()
+            if job is None:
+                return
+            finishes, claims = job
+            finished: list[Exception | None]
+            claimed: list[ClaimResult | Exception]
+            try:
+                finished = guard.finish_many([(s.key, s.owner, s.succeeded) for _, s in finishes])
+            except Exception as exc:  # a store that breaks the batch contract
+                finished = [exc] * len(finishes)
+            try:
+                claimed = guard.claim_many([(s.key, s.owner) for _, s in claims])
+            except Exception as exc:
+                claimed = [exc] * len(claims)
+            self._store_done.append((finishes, finished, claims, claimed))
+            self._wake()
 
     def _wake(self) -> None:
         conn = self._conn
@@ -494,6 +541,14 @@ class Worker(WorkerBase):
             t.start()
             self._threads.append(t)
         if self._guard is not None:
+            store = threading.Thread(
+                target=self._store_work,
+                args=(self._guard,),
+                name="rabbit-delay-store",
+                daemon=True,
+            )
+            store.start()
+            self._threads.append(store)
             self._housekeeper = threading.Thread(
                 target=self._housekeeping,
                 args=(self._guard,),

@@ -1,19 +1,23 @@
 """The consumer framework on the real broker: one behaviour suite, run against the sync
-(pika, handler threads) and the async (aio-pika) worker alike.
+worker (pika, `def` handlers in threads) and the async worker (aio-pika) with `async def`
+handlers on its loop and with `def` handlers in its thread pool alike
+(`workers.harness.HANDLER_KINDS`). Tests about starting a worker run per worker
+(`KINDS`).
 
 Every scenario uses 1 s tiers and waits with deadlines; handlers are built by
-`workers.harness.handler`, a `def` for the sync worker and an `async def` for the async
-one, from the same steps. What differs between RabbitMQ versions (a consumer over its
-consumer_timeout, the 4.3 retry backend "broker") runs on every version, expecting what
-that version does.
+`workers.harness.handler` from the same steps. What differs between RabbitMQ versions (a
+consumer over its consumer_timeout, the 4.3 retry backend "broker", what a nack counts)
+runs on every version, expecting what that version does.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import sqlite3
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pika.exceptions
@@ -25,7 +29,13 @@ from rabbit_delay import names as h
 from rabbit_delay.broker import BrokerInfo
 from rabbit_delay.consumer import App, HandlerContext, Reject, Retry
 from rabbit_delay.errors import ConfigError, IncompatibleBroker, MissingObjectError
-from rabbit_delay.idempotency import ClaimResult, MemoryStore
+from rabbit_delay.idempotency import (
+    DEFAULT_PREFIX,
+    DEFAULT_TABLE,
+    ClaimResult,
+    MemoryStore,
+    SQLiteStore,
+)
 from rabbit_delay.message import now_ms
 from rabbit_delay.sync import Publisher, connect, declare, plan
 from rabbit_delay.topology import Topology, topology_from_dict
@@ -33,6 +43,7 @@ from rabbit_delay.urls import ManagementEndpoint
 
 from ._scratch_node import ScratchNode, scratch_kind, server_info, started_node
 from .workers.harness import (
+    HANDLER_KINDS,
     KINDS,
     Calls,
     RunningWorker,
@@ -40,6 +51,7 @@ from .workers.harness import (
     connections_named,
     get_all,
     handler,
+    transport,
 )
 
 pytestmark = pytest.mark.integration
@@ -54,8 +66,15 @@ class CancelOrder(BaseModel):
     action: str = "ok"
 
 
-@pytest.fixture(params=KINDS)
+@pytest.fixture(params=HANDLER_KINDS)
 def kind(request: pytest.FixtureRequest) -> str:
+    """A worker and the handlers it runs: "sync", "async", "async-def"."""
+    return str(request.param)
+
+
+@pytest.fixture(params=KINDS)
+def worker_kind(request: pytest.FixtureRequest) -> str:
+    """A worker alone ("sync", "async"), for what happens before any handler runs."""
     return str(request.param)
 
 
@@ -99,6 +118,32 @@ def publish(url: str, topology: Topology, *bodies: Any, **kwargs: Any) -> list[s
 
 def retrying(queue: str = QUEUE, **retry: Any) -> dict[str, Any]:
     return {"queues": {queue: {"retry": retry}}}
+
+
+def sqlite_guarded(tmp_path: Path, lease: str) -> dict[str, Any]:
+    """The default guard (SQLite), in a file of the test's own, with a short lease."""
+    path = tmp_path / "idempotency.sqlite3"
+    return {"idempotency": {"store": "sqlite", "path": str(path), "lease": lease}}
+
+
+def store_key(topology: Topology, message_id: str) -> str:
+    """The idempotency key of `message_id` in QUEUE (scoped to the queue), without the
+    store's prefix."""
+    return f"{topology.names.business_queue(QUEUE)}:{message_id}"
+
+
+def stored_state(topology: Topology, message_id: str) -> str | None:
+    """What the SQLite guard holds for `message_id`: claimed, done, cancelled or None,
+    read from the file as another process would."""
+    conn = sqlite3.connect(topology.idempotency.path)
+    try:
+        row = conn.execute(
+            f"SELECT state FROM {DEFAULT_TABLE} WHERE key = ?",
+            (DEFAULT_PREFIX + store_key(topology, message_id),),
+        ).fetchone()
+    finally:
+        conn.close()
+    return None if row is None else str(row[0])
 
 
 # -- acks and context ------------------------------------------------------------------------
@@ -326,7 +371,7 @@ def test_a_duplicate_of_a_handled_message_is_acked_and_skipped(
     worker.stop()
 
     assert len(calls.started) == 1
-    guard = app.guard() if kind == "sync" else app.async_guard()
+    guard = app.guard() if transport(kind) == "sync" else app.async_guard()
     assert guard.stats.duplicates_skipped == 1
     assert message_count(broker_url, topology.names.business_queue(QUEUE)) == 0
 
@@ -368,7 +413,7 @@ class FlakyStore(MemoryStore):
 
 
 def test_a_store_outage_longer_than_the_delivery_limit_parks_nothing(
-    kind: str, declared: Declared, run_worker: Runner, broker_url: str
+    kind: str, declared: Declared, run_worker: Runner, broker_url: str, broker_info: BrokerInfo
 ) -> None:
     # The claim fails on more deliveries than the queue's delivery limit. Where the broker
     # counts a nack-requeue towards the limit (3.10, 4.0-4.2), handing the message back
@@ -390,6 +435,13 @@ def test_a_store_outage_longer_than_the_delivery_limit_parks_nothing(
     assert done.ctx.message_id == message_id
     assert done.ctx.attempt == 1  # an outage is not an attempt
     assert len(calls.started) == 1
+    # Each failed claim handed the delivery back once: a nack where it does not count
+    # (4.3+), else a same-attempt copy through the shortest tier. Counted once each.
+    stats = worker.stats
+    if broker_info.nack_requeue_counts:
+        assert (stats.deferred, stats.requeued) == (limit + 2, 0), stats
+    else:
+        assert (stats.deferred, stats.requeued) == (0, limit + 2), stats
     assert message_count(broker_url, topology.names.parking_queue(QUEUE)) == 0
     assert message_count(broker_url, topology.names.business_queue(QUEUE)) == 0
 
@@ -413,11 +465,61 @@ def test_cancel_drops_the_message_when_it_comes_due(
     assert message_count(broker_url, topology.names.business_queue(QUEUE)) == 0
 
 
+LEASE_MS = 1_500  # renewed every 500 ms
+HANDLER_S = 2.5  # 5 renewals
+
+
+def test_a_lease_lost_while_the_handler_runs_is_noticed_and_logged(
+    kind: str,
+    declared: Declared,
+    run_worker: Runner,
+    broker_url: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="rabbit_delay.worker")
+    topology = declared(**sqlite_guarded(tmp_path, lease=f"{LEASE_MS}ms"))
+    app = App(topology)
+    calls = Calls()
+    app.add_consumer(QUEUE, handler(kind, calls, sleep=HANDLER_S), model=CancelOrder)
+    worker = run_worker(kind, app, close_app=True)
+    [message_id] = publish(broker_url, topology, {"order_id": 17})
+
+    calls.wait_started(1)
+    assert stored_state(topology, message_id) == "claimed"
+    # Another process takes the key from under the running handler: a tombstone
+    # replaces its claim, so the next renewal finds the claim gone.
+    other = SQLiteStore(topology.idempotency.path)
+    try:
+        other.cancel(store_key(topology, message_id), now_ms=now_ms(), retention_ms=60_000)
+    finally:
+        other.close()
+    # A renewal is due every LEASE_MS / 3, looked for twice as often: the loss shows
+    # within about 0.75 s, well before the handler ends.
+    wait_for(lambda: worker.stats.leases_lost >= 1, HANDLER_S - 0.5, "the lost lease")
+    assert calls.finished == []  # noticed while the handler still ran
+
+    calls.wait_finished(1)
+    wait_for(lambda: worker.stats.acked == 1, 5, "the ack")  # the handler's result stands
+    worker.stop()
+    assert worker.stats.leases_lost == 1, worker.stats
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "rabbit_delay.worker" and r.levelno == logging.WARNING
+    ]
+    lost = [w for w in warnings if "lease" in w and "lost" in w]
+    key = store_key(topology, message_id)
+    assert any(key in w and "while its handler runs" in w for w in lost), warnings
+    assert any(key in w and "finished after its lease was lost" in w for w in lost), warnings
+    assert stored_state(topology, message_id) == "cancelled"  # done never overwrites it
+
+
 # -- lifecycle ---------------------------------------------------------------------------------
 
 
 def test_graceful_stop_finishes_in_flight_handlers_and_hands_back_the_rest(
-    kind: str, declared: Declared, run_worker: Runner, broker_url: str
+    kind: str, declared: Declared, run_worker: Runner, broker_url: str, broker_info: BrokerInfo
 ) -> None:
     topology = declared()
     app = App(topology, store=MemoryStore())
@@ -431,8 +533,18 @@ def test_graceful_stop_finishes_in_flight_handlers_and_hands_back_the_rest(
 
     assert len(calls.finished) == len(calls.started) == 2  # in flight: finished, acked
     assert worker.stats.acked == 2
+    # The 2 prefetched but not started were nacked back, each once, and counted once.
+    assert worker.stats.requeued == 2, worker.stats
     queue = topology.names.business_queue(QUEUE)
     wait_for(lambda: message_count(broker_url, queue) == 2, 10, "the 2 not started, back")
+    back = get_all(broker_url, queue, 2)
+    # One hand-back each: counted by the queue where a nack counts (before 4.3); from
+    # 4.3 a nack is not counted (a lost channel would have been: 1).
+    expected_count = 1 if broker_info.nack_requeue_counts else None
+    assert [g.headers.get(h.DELIVERY_COUNT_HEADER) for g in back] == [expected_count] * 2
+    assert {g.properties.message_id for g in back}.isdisjoint(
+        c.ctx.message_id for c in calls.started
+    )
 
 
 def test_a_handler_past_the_shutdown_timeout_is_redelivered(
@@ -450,6 +562,44 @@ def test_a_handler_past_the_shutdown_timeout_is_redelivered(
     assert worker.stats.acked == 0
     queue = topology.names.business_queue(QUEUE)
     wait_for(lambda: message_count(broker_url, queue) == 1, 10, "the unfinished one, back")
+
+
+def test_a_handler_past_the_shutdown_timeout_records_done_before_the_store_closes(
+    kind: str, declared: Declared, run_worker: Runner, broker_url: str, tmp_path: Path
+) -> None:
+    # Past the drain timeout the connection is closed (the broker takes the message
+    # back), but the handler keeps running: run() returns only once it recorded done,
+    # and only then is the store closed, as `rabbit-delay worker` closes it. The copy
+    # the next worker gets is then a duplicate: one effect. (The store used to be
+    # closed under the handler: no done-record, and the copy ran again after the lease.)
+    topology = declared(**sqlite_guarded(tmp_path, lease="2s"))
+    app = App(topology)  # the topology's guard: SQLite in tmp_path
+    calls = Calls()
+    app.add_consumer(QUEUE, handler(kind, calls, sleep=3.0), model=CancelOrder)
+    first = run_worker(kind, app, shutdown_timeout=1.0, close_app=True)
+    [message_id] = publish(broker_url, topology, {"order_id": 31})
+
+    calls.wait_started(1)
+    first.stop()  # returns once run() returned and the store is closed
+
+    assert [c.ctx.message_id for c in calls.finished] == [message_id]
+    assert stored_state(topology, message_id) == "done"
+    assert (first.stats.acked, first.stats.stale) == (0, 1), first.stats  # its channel closed
+
+    again = App(topology)  # the next worker process opens the file anew
+    second_calls = Calls()
+    again.add_consumer(QUEUE, handler(kind, second_calls), model=CancelOrder)
+    second = run_worker(kind, again, close_app=True)
+    wait_for(
+        lambda: second.stats.duplicates + second.stats.acked + second.stats.deferred >= 1,
+        15,
+        f"the redelivered copy to be settled ({second.stats})",
+    )
+    second.stop()
+    assert (second.stats.duplicates, second.stats.acked) == (1, 0), second.stats
+    assert second_calls.started == []
+    assert len(calls.started) == 1
+    assert message_count(broker_url, topology.names.business_queue(QUEUE)) == 0
 
 
 def test_reconnects_after_the_server_closes_the_connection(
@@ -499,14 +649,16 @@ def test_reconnects_after_the_server_closes_the_connection(
 
 
 def test_refuses_a_queue_missing_on_the_broker_and_declares_on_request(
-    kind: str, make_topology: Callable[..., Topology], run_worker: Callable[..., RunningWorker]
+    worker_kind: str,
+    make_topology: Callable[..., Topology],
+    run_worker: Callable[..., RunningWorker],
 ) -> None:
     topology = make_topology()  # not declared
     app = App(topology, store=MemoryStore())
-    app.add_consumer(QUEUE, handler(kind, Calls()), model=CancelOrder)
+    app.add_consumer(QUEUE, handler(worker_kind, Calls()), model=CancelOrder)
     with pytest.raises(MissingObjectError, match="rabbit-delay declare"):
-        run_worker(kind, app)
-    worker = run_worker(kind, app, declare=True)
+        run_worker(worker_kind, app)
+    worker = run_worker(worker_kind, app, declare=True)
     worker.stop()
 
 
@@ -603,6 +755,16 @@ def test_a_consumer_the_broker_timed_out_consumes_again(
         assert "consuming again" in warnings[0].message
     else:
         assert (worker.stats.consumer_cancels, worker.stats.reconnects) == (0, 1)
+        # The broker's own reason, as it closed the channel, not the client's "Channel
+        # is closed" of the next call on it.
+        reason = r"PRECONDITION_FAILED - delivery acknowledgement on channel \d+ timed out"
+        assert re.search(reason, warnings[0].message), warnings[0].message
+        said_closed = [
+            r.getMessage()
+            for r in caplog.records
+            if r.levelno >= logging.WARNING and "Channel is closed" in r.getMessage()
+        ]
+        assert said_closed == []
 
 
 # -- retry backend "broker" (RabbitMQ 4.3+ quorum queue delayed retry) -----------------------------
@@ -623,7 +785,7 @@ def needs_delayed_retry(broker_info: BrokerInfo) -> None:
 
 
 def test_broker_retry_backend_is_refused_before_4_3(
-    kind: str,
+    worker_kind: str,
     make_topology: Callable[..., Topology],
     run_worker: Runner,
     broker_url: str,
@@ -641,10 +803,10 @@ def test_broker_retry_backend_is_refused_before_4_3(
         conn.close()
     assert message_count_or_none(broker_url, topology.names.business_queue(QUEUE)) is None
     app = App(topology, store=MemoryStore())
-    app.add_consumer(QUEUE, handler(kind, Calls()), model=CancelOrder)
+    app.add_consumer(QUEUE, handler(worker_kind, Calls()), model=CancelOrder)
     for declare_first in (False, True):
         with pytest.raises(IncompatibleBroker, match=re.escape(broker_info.version_text)):
-            run_worker(kind, app, declare=declare_first)
+            run_worker(worker_kind, app, declare=declare_first)
 
 
 def message_count_or_none(url: str, queue: str) -> int | None:

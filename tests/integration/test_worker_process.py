@@ -1,5 +1,6 @@
 """Worker processes, run as users run them (`rabbit-delay worker MODULE:APP`):
-killed with SIGKILL mid-handler, stopped with SIGTERM, refusing to start.
+killed with SIGKILL mid-handler, stopped with SIGTERM (and forced with a second one),
+refusing to start.
 
 The app is `workers/crash_app.py`; its handler logs `start` and `effect` lines to a
 file, so a test can count effects across processes. Idempotency lives in a SQLite
@@ -24,17 +25,25 @@ from conftest import message_count, wait_for
 from rabbit_delay.sync import Publisher, connect, declare
 from rabbit_delay.topology import Topology
 
-from .workers.harness import KINDS
+from .workers.harness import HANDLER_KINDS, KINDS, transport
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 WORKERS_DIR = Path(__file__).resolve().parent / "workers"
 QUEUE = "orders.cancel"
 EXIT_S = 20.0
+FORCED_EXIT_S = 5.0  # from a second SIGTERM to the process gone: no handler waited for
 
 
 @pytest.fixture(params=KINDS)
 def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(params=HANDLER_KINDS)
+def handler_kind(request: pytest.FixtureRequest) -> str:
+    """A worker and its handler: sync (def), async (async def), async-def (def in the
+    async worker's thread pool)."""
     return str(request.param)
 
 
@@ -93,6 +102,8 @@ def spawn(broker_url: str, tmp_path: Path) -> Iterator[Callable[..., WorkerProce
     started: list[WorkerProcess] = []
 
     def start(kind: str, topology_file: Path, log: Path, *args: str, **env: str) -> WorkerProcess:
+        """`kind` is one of HANDLER_KINDS: "async-def" runs the `def` handler on the
+        async worker."""
         output = tmp_path / f"worker-{len(started)}.out"
         environment = {
             **os.environ,
@@ -111,7 +122,7 @@ def spawn(broker_url: str, tmp_path: Path) -> Iterator[Callable[..., WorkerProce
             "--app-dir",
             str(WORKERS_DIR),
             "--transport",
-            kind,
+            transport(kind),
             "--url",
             broker_url,
             "--log-level",
@@ -214,6 +225,46 @@ def test_sigterm_lets_the_running_handler_finish_and_hands_back_the_rest(
     queue = topology.names.business_queue(QUEUE)
     wait_for(lambda: message_count(broker_url, queue) == 1, 10, "the second message, back")
     assert "stopping" in worker.text()
+
+
+@pytest.mark.timeout(120)
+def test_a_second_sigterm_stops_at_once_and_the_message_runs_again_after_the_lease(
+    handler_kind: str,
+    setup: tuple[Topology, Path],
+    spawn: Callable[..., WorkerProcess],
+    broker_url: str,
+    tmp_path: Path,
+) -> None:
+    topology, topology_file = setup  # lease 2 s
+    log = tmp_path / "effects.log"
+    worker = spawn(handler_kind, topology_file, log, RD_TEST_SLOW_S="30")
+    wait_for(lambda: consuming(worker), 20, "the worker to consume")
+    [message_id] = publish(broker_url, topology, {"order_id": 1})
+
+    wait_for(lambda: lines(log, "start"), 15, "the handler to start")
+    os.kill(worker.pid, signal.SIGTERM)  # drain: the handler gets --shutdown-timeout (30 s)
+    wait_for(lambda: "signal SIGTERM: stopping" in worker.text(), 5, "the first SIGTERM")
+    time.sleep(1.0)
+    assert worker.proc.poll() is None, worker.text()  # still waiting for the handler
+    os.kill(worker.pid, signal.SIGTERM)  # again: stop now, abandon the handler
+    forced_at = time.monotonic()
+    code = worker.wait(timeout=45)  # past the handler's 30 s: measure, do not hang
+    took = time.monotonic() - forced_at
+    assert took < FORCED_EXIT_S, f"exited {took:.1f}s after the second SIGTERM:\n{worker.text()}"
+    assert code == 0, worker.text()
+    assert "SIGTERM again: stopping now" in worker.text()
+    assert lines(log, "effect") == []  # abandoned like a crash: no effect, no done-record
+
+    # Not lost: unacked, so back in the queue; its claim runs out after the lease, and
+    # the next worker runs it.
+    second = spawn(handler_kind, topology_file, log, RD_TEST_SLOW_S="0")
+    wait_for(lambda: lines(log, "effect"), 30, "the next worker to run the message")
+    time.sleep(1.5)  # room for a wrong second effect to show up
+    os.kill(second.pid, signal.SIGTERM)
+    assert second.wait() == 0, second.text()
+    assert lines(log, "effect") == [["effect", message_id, str(second.pid)]]
+    assert message_count(broker_url, topology.names.business_queue(QUEUE)) == 0
+    assert message_count(broker_url, topology.names.parking_queue(QUEUE)) == 0
 
 
 def test_the_cli_refuses_what_the_worker_cannot_run(

@@ -1,10 +1,14 @@
 """Running either worker in a background thread, with one face, for the behaviour suite.
 
-`start_worker("sync" | "async", app, url, ...)` runs `Worker.run()` on a thread, or
+`RunningWorker(kind, app, url, ...)` runs `Worker.run()` on a thread, or
 `AsyncWorker.run()` in `asyncio.run` on a thread; `stop()` is the same call the signal
-handlers make. `handler(kind, ...)` builds a `def` handler for the sync worker and an
-`async def` one for the async worker from the same steps, so each behaviour test is
-written once. Every wait has a deadline.
+handlers make. `handler(kind, ...)` builds the handler each kind runs from the same
+steps, so each behaviour test is written once. Every wait has a deadline.
+
+Kinds: `KINDS` are the two workers (what `rabbit-delay worker --transport` takes);
+`HANDLER_KINDS` adds "async-def", the async worker running a plain `def` handler in its
+thread pool, a path of its own (the handler cannot be cancelled, and its result comes
+back to the loop from another thread).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from conftest import wait_for
 from rabbit_delay.consumer import App, HandlerContext
 from rabbit_delay.urls import ManagementEndpoint
 
-KINDS = ("sync", "async")
+KINDS = ("sync", "async")  # the workers (transports)
+HANDLER_KINDS = ("sync", "async", "async-def")  # a worker and the handlers it runs
 START_S = 15.0
 STOP_S = 20.0
 
@@ -69,6 +74,13 @@ class Calls:
 Step = Callable[[Any, HandlerContext], None]
 
 
+def transport(kind: str) -> str:
+    """The worker a kind runs on: "sync" or "async"."""
+    if kind not in HANDLER_KINDS:
+        raise ValueError(f"unknown worker kind {kind!r}; the kinds are {HANDLER_KINDS}")
+    return "sync" if kind == "sync" else "async"
+
+
 def handler(
     kind: str,
     calls: Calls,
@@ -78,14 +90,15 @@ def handler(
 ) -> Callable[..., Any]:
     """record start -> sleep -> `then` (which may raise) -> record finish.
 
-    A `def` for the sync worker (sleeps on its thread), an `async def` for the async
-    worker (sleeps on the loop).
+    A `def` for "sync" and "async-def" (sleeps on its thread), an `async def` for
+    "async" (sleeps on the loop).
     """
 
     def pause(message: Any, ctx: HandlerContext) -> float:
         return sleep(message, ctx) if callable(sleep) else sleep
 
-    if kind == "sync":
+    if kind != "async":
+        transport(kind)  # refuses an unknown kind
 
         def handle(message: Any, ctx: HandlerContext) -> None:
             calls.start(message, ctx)
@@ -111,24 +124,45 @@ def handler(
 
 
 class RunningWorker:
-    """A worker on a background thread. `error` holds what `run()` raised, if anything."""
+    """A worker on a background thread. `error` holds what `run()` raised, if anything.
 
-    def __init__(self, kind: str, app: App, url: str, **options: Any) -> None:
+    `close_app=True` closes the app's idempotency store when `run()` returns, on the
+    worker's thread, as `rabbit-delay worker` does (`app.close()` after the sync worker,
+    `await app.aclose()` in the async worker's loop).
+    """
+
+    def __init__(
+        self, kind: str, app: App, url: str, *, close_app: bool = False, **options: Any
+    ) -> None:
         self.kind = kind
         self.name = f"rd-test-worker-{uuid.uuid4().hex[:10]}"
         options.setdefault("install_signal_handlers", False)
-        if kind == "sync":
+        if transport(kind) == "sync":
             from rabbit_delay.sync.worker import Worker
 
             self.worker: Any = Worker(app, url, name=self.name, **options)
-            target: Callable[[], None] = self.worker.run
+
+            def target() -> None:
+                try:
+                    self.worker.run()
+                finally:
+                    if close_app:
+                        app.close()
+
         else:
             from rabbit_delay.aio.worker import AsyncWorker
 
             self.worker = AsyncWorker(app, url, name=self.name, **options)
 
+            async def run_async() -> None:
+                try:
+                    await self.worker.run()
+                finally:
+                    if close_app:
+                        await app.aclose()
+
             def target() -> None:
-                asyncio.run(self.worker.run())
+                asyncio.run(run_async())
 
         self.error: BaseException | None = None
 
