@@ -405,7 +405,7 @@ class AsyncWorker(WorkerBase):
     async def _execute(self, live: _Live, step: Step) -> object:
         if isinstance(step, Finish):  # always executed: the handler did run
             if self.leases.drop(step.owner):
-                log.warning("%s finished after its lease was lost", step.key)
+                self.finished_after_lost_lease(step.key)
             assert self._batches is not None
             return await self._batches.finish(step.key, step.owner, step.succeeded)
         if self._stale(live):

@@ -93,6 +93,22 @@ class LeaseBook:
         with self._lock:
             self._held[owner] = _Held(key, now_ms)
 
+    def hold_many(self, held: list[tuple[str, str]], now_ms: int) -> None:
+        """`hold` for a batch of (key, owner), under one lock."""
+        with self._lock:
+            for key, owner in held:
+                self._held[owner] = _Held(key, now_ms)
+
+    def drop_many(self, owners: list[str]) -> list[str]:
+        """`drop` for a batch; returns the owners whose lease was lost."""
+        lost = []
+        with self._lock:
+            for owner in owners:
+                held = self._held.pop(owner, None)
+                if held is not None and held.lost:
+                    lost.append(owner)
+        return lost
+
     def drop(self, owner: str) -> bool:
         """Forget `owner`'s claim (its handler finished). True if its lease was lost."""
         with self._lock:

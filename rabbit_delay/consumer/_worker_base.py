@@ -218,6 +218,11 @@ class WorkerBase:
             owner,
         )
 
+    def finished_after_lost_lease(self, key: str) -> None:
+        log.warning(
+            "%s finished after its lease was lost: another copy may have run beside it", key
+        )
+
     def purge_due(self) -> bool:
         """True once every PURGE_EVERY_S: time to delete expired idempotency records."""
         now = time.monotonic()

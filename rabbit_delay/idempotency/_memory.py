@@ -16,6 +16,7 @@ class MemoryStore:
     """A dict behind a lock. Same semantics as the durable stores, lost on exit."""
 
     needs_purge = True
+    never_blocks = True  # no I/O: a worker may call it on its connection thread
 
     def __init__(self, *, prefix: str = DEFAULT_PREFIX) -> None:
         self.prefix = prefix

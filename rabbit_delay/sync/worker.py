@@ -160,6 +160,9 @@ class Worker(WorkerBase):
         self._store_jobs: SimpleQueue[_StoreJob | None] = SimpleQueue()
         self._store_done: deque[_StoreDone] = deque()
         self._store_busy = False
+        self._inline_store = self._guard is not None and getattr(
+            self._guard.store, "never_blocks", False
+        )
         self._wake_pending = False
         self._threads: list[threading.Thread] = []
         self._housekeeper: threading.Thread | None = None
@@ -465,49 +468,68 @@ class Worker(WorkerBase):
         )
 
     def _store_batches(self) -> None:
-        """Take in the store thread's results, and hand it the claims and finishes the
-        programs wait for, as one batch, when it is free."""
-        while self._store_done:
-            finishes, finished, claims, claimed = self._store_done.popleft()
-            self._store_busy = False
-            for (live, _), result in zip(finishes, finished, strict=True):
-                self._advance(live, result)
-            now = clock_ms()
-            for (live, claim), outcome in zip(claims, claimed, strict=True):
-                if outcome is ClaimResult.CLAIMED:
-                    self.leases.hold(claim.key, claim.owner, now)
-                self._advance(live, outcome)
-        if not self._store_busy and (self._claims or self._finishes):
+        """Take in the store's results, and hand it the claims and finishes the programs
+        wait for, as one batch, when it is free: to the store thread, or here for a
+        store that never blocks (memory)."""
+        while True:
+            while self._store_done:
+                finishes, finished, claims, claimed = self._store_done.popleft()
+                self._store_busy = False
+                for (live, _), result in zip(finishes, finished, strict=True):
+                    self._advance(live, result)
+                self.leases.hold_many(
+                    [
+                        (claim.key, claim.owner)
+                        for (_, claim), outcome in zip(claims, claimed, strict=True)
+                        if outcome is ClaimResult.CLAIMED
+                    ],
+                    clock_ms(),
+                )
+                for (live, _), outcome in zip(claims, claimed, strict=True):
+                    self._advance(live, outcome)
+            if self._store_busy or not (self._claims or self._finishes):
+                break
             finishes, self._finishes = self._finishes, []
             claims, self._claims = self._claims, []
-            for _, step in finishes:
-                if self.leases.drop(step.owner):
-                    log.warning("%s finished after its lease was lost", step.key)
+            lost = self.leases.drop_many([step.owner for _, step in finishes])
+            if lost:
+                for _, step in finishes:
+                    if step.owner in lost:
+                        self.finished_after_lost_lease(step.key)
             self._store_busy = True
-            self._store_jobs.put((finishes, claims))
+            if not self._inline_store:
+                self._store_jobs.put((finishes, claims))
+                break
+            self._store_done.append(self._store_batch(finishes, claims))
         if self._pause:
             pause, self._pause = self._pause, 0.0
             time.sleep(pause)  # back-pressure: the store is failing
 
-    def _store_work(self, guard: Guard) -> None:
+    def _store_batch(
+        self, finishes: list[tuple[_Live, Finish]], claims: list[tuple[_Live, Claim]]
+    ) -> _StoreDone:
+        guard = self._guard
+        assert guard is not None
+        finished: list[Exception | None]
+        claimed: list[ClaimResult | Exception]
+        try:
+            finished = guard.finish_many([(s.key, s.owner, s.succeeded) for _, s in finishes])
+        except Exception as exc:  # a store that breaks the batch contract
+            finished = [exc] * len(finishes)
+        try:
+            claimed = guard.claim_many([(s.key, s.owner) for _, s in claims])
+        except Exception as exc:
+            claimed = [exc] * len(claims)
+        return finishes, finished, claims, claimed
+
+    def _store_work(self) -> None:
         """The store thread: runs one batch at a time (sqlite3 and the network release
         the GIL, so the connection thread goes on meanwhile)."""
         while True:
             job = self._store_jobs.get()
             if job is None:
                 return
-            finishes, claims = job
-            finished: list[Exception | None]
-            claimed: list[ClaimResult | Exception]
-            try:
-                finished = guard.finish_many([(s.key, s.owner, s.succeeded) for _, s in finishes])
-            except Exception as exc:  # a store that breaks the batch contract
-                finished = [exc] * len(finishes)
-            try:
-                claimed = guard.claim_many([(s.key, s.owner) for _, s in claims])
-            except Exception as exc:
-                claimed = [exc] * len(claims)
-            self._store_done.append((finishes, finished, claims, claimed))
+            self._store_done.append(self._store_batch(*job))
             self._wake()
 
     def _wake(self) -> None:
@@ -540,15 +562,15 @@ class Worker(WorkerBase):
             t = threading.Thread(target=self._work, name=f"rabbit-delay-handler-{i}", daemon=True)
             t.start()
             self._threads.append(t)
-        if self._guard is not None:
+        if self._guard is not None and not self._inline_store:
             store = threading.Thread(
                 target=self._store_work,
-                args=(self._guard,),
                 name="rabbit-delay-store",
                 daemon=True,
             )
             store.start()
             self._threads.append(store)
+        if self._guard is not None:
             self._housekeeper = threading.Thread(
                 target=self._housekeeping,
                 args=(self._guard,),

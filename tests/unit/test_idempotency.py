@@ -1130,3 +1130,44 @@ async def test_async_sqlite_batch_a_failing_item_fails_alone(tmp_path: Path) -> 
     assert isinstance(results[1], sqlite3.IntegrityError)
     assert await store.renew("k1", "a", now_ms=T0 + 1, lease_ms=LEASE) is True
     await store.close()
+
+
+def test_a_file_made_with_the_earlier_without_rowid_table_keeps_working(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite3"
+    old = sqlite3.connect(path)
+    old.execute(
+        "CREATE TABLE rabbit_delay_idempotency (key TEXT PRIMARY KEY, state TEXT NOT NULL "
+        "CHECK (state IN ('claimed', 'done', 'cancelled')), owner TEXT, "
+        "expires_at INTEGER NOT NULL) WITHOUT ROWID"
+    )
+    old.execute(
+        "INSERT INTO rabbit_delay_idempotency VALUES ('rabbit-delay:old', 'done', 'o', ?)",
+        (T0 + RETENTION,),
+    )
+    old.commit()
+    old.close()
+    store = SQLiteStore(path)
+    assert store.claim("old", "a", now_ms=T0, lease_ms=LEASE) is ClaimResult.DONE
+    assert store.claim_many([("k1", "a"), ("k1", "b")], now_ms=T0, lease_ms=LEASE) == [
+        ClaimResult.CLAIMED,
+        ClaimResult.IN_PROGRESS,
+    ]
+    assert store.renew("k1", "a", now_ms=T0 + 1, lease_ms=LEASE) is True
+    assert store.finish_many([("k1", "a", True)], now_ms=T0, retention_ms=RETENTION) == [None]
+    assert store.claim("k1", "c", now_ms=T0 + 2, lease_ms=LEASE) is ClaimResult.DONE
+    assert store.purge(now_ms=T0 + RETENTION + 10) == 2
+    (sql,) = store._conn.execute(
+        "SELECT sql FROM sqlite_master WHERE name = 'rabbit_delay_idempotency'"
+    ).fetchone()
+    assert "WITHOUT ROWID" in sql  # left as it was
+    store.close()
+
+
+def test_a_new_file_gets_the_rowid_table(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "new.sqlite3")
+    (sql,) = store._conn.execute(
+        "SELECT sql FROM sqlite_master WHERE name = 'rabbit_delay_idempotency'"
+    ).fetchone()
+    assert "WITHOUT ROWID" not in sql
+    assert "UNIQUE" in sql
+    store.close()
