@@ -58,9 +58,20 @@ class Transport(StrEnum):
     ASYNC = "async"
 
 
+class _NotDecoded:
+    """The body is decoded where the handler runs (`Prepared.decoded`)."""
+
+    def __repr__(self) -> str:
+        return "NOT_DECODED"
+
+
+NOT_DECODED: Any = _NotDecoded()
+
+
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """A delivery ready for its handler: decoded input, context and idempotency key."""
+    """A delivery ready for its handler: its input (or NOT_DECODED: decoded where the
+    handler runs, off the worker's connection thread), context and idempotency key."""
 
     ctx: HandlerContext
     message: Any
@@ -134,8 +145,14 @@ class Consumer:
         body: bytes,
         content_type: str | None,
         received_ms: int,
+        *,
+        lazy: bool = False,
     ) -> Prepared | Action:
-        """Decode one delivery. Returns what to run, or the Park action for a poison message."""
+        """Read one delivery. Returns what to run, or the Park action for a poison message.
+
+        With `lazy`, a body that the idempotency key does not need is left undecoded
+        (NOT_DECODED): `decoded()` decodes it where the handler runs.
+        """
         try:
             env = self.policy.envelope(message_id, headers)
         except DecodeError as exc:
@@ -143,12 +160,16 @@ class Consumer:
             bad = Undecodable.from_exception(exc)
             return self.decide(env, bad, body, content_type, received_ms)
         ctx = HandlerContext(self.queue, env, redelivered, received_ms, self.policy.max_attempts)
+        key: str | None = None
+        if lazy and (self.key is None or not self.idempotent):
+            if self.idempotent and message_id:
+                key = self.key_prefix + message_id
+            return Prepared(ctx, NOT_DECODED, key, body, content_type)
         try:
             message = self.decode(body)
         except Exception as exc:  # ValidationError, or whatever a TypeAdapter raises
             bad = Undecodable.from_exception(exc)
             return self.decide(env, bad, body, content_type, received_ms)
-        key: str | None = None
         if self.idempotent:
             if self.key is None:
                 key = self.key_prefix + message_id if message_id else None
@@ -158,6 +179,11 @@ class Consumer:
                 except Exception as exc:
                     return self.decide(env, exc, body, content_type, received_ms)
         return Prepared(ctx, message, key, body, content_type)
+
+    def decoded(self, prepared: Prepared) -> Any:
+        """The handler's input; raises what the decoder raises for a bad body."""
+        message = prepared.message
+        return self.decode(prepared.body) if message is NOT_DECODED else message
 
     def decide(
         self, env: Envelope, outcome: Outcome, body: bytes, content_type: str | None, now_ms: int

@@ -9,7 +9,9 @@ what to publish, when to ack, reject or requeue, nor what a failed publish means
     -------------------------  ---------------------------------  --------------------------
     Claim(key, owner)          claims the key; keeps the lease    ClaimResult, or the store's
                                renewed until Finish               exception
-    Run(consumer, prepared)    calls the handler                  None, or its exception
+    Run(consumer, prepared)    decodes the body if not yet        None, its exception, or
+                               (Consumer.decoded), calls the      Undecodable
+                               handler
     Finish(key, owner, ok)     records done (ok) or releases      None, or the store's
                                the claim; stops renewing it       exception
     Pause(seconds)             waits (the store is failing)       None
@@ -41,6 +43,7 @@ from typing import Any
 from rabbit_delay.broker import BrokerInfo
 from rabbit_delay.consumer._app import Consumer, Prepared
 from rabbit_delay.consumer._decide import (
+    ACK,
     Ack,
     Action,
     BrokerRetry,
@@ -50,6 +53,7 @@ from rabbit_delay.consumer._decide import (
     Republish,
     Skip,
     Unavailable,
+    Undecodable,
 )
 from rabbit_delay.consumer._lease import lost_deliveries, may_have_run
 from rabbit_delay.idempotency import ClaimResult
@@ -167,6 +171,8 @@ def delivery_program(
 ) -> Program:
     """The steps of one delivery. `owner` is the idempotency owner token of this
     delivery (None: the worker runs without a guard)."""
+    # Hot path: a few objects per delivery (no closures, no copies), because every
+    # delivery in flight keeps its program alive and the garbage collector counts them.
     prepared = consumer.prepare(
         delivery.message_id,
         delivery.headers,
@@ -174,6 +180,7 @@ def delivery_program(
         delivery.body,
         delivery.content_type,
         delivery.received_ms,
+        lazy=True,  # decoded where the handler runs (Run), unless the key needs it
     )
     if not isinstance(prepared, Prepared):  # undecodable: parked without a claim
         return (yield from _settle(consumer, delivery.message_id, 1, prepared))
@@ -182,61 +189,67 @@ def delivery_program(
     if not prepared.ctx.redelivered and may_have_run(env, delivery.redelivered):
         ctx = dataclasses.replace(prepared.ctx, redelivered=True)
         prepared = dataclasses.replace(prepared, ctx=ctx)
-
-    def finish(outcome: Outcome, crashes: int) -> Action:
-        return consumer.finish(prepared, outcome, clock(), broker, crashes, lease_ms)
-
-    def settle(action: Action) -> Generator[Step, object, Settled]:
-        return _settle(consumer, env.message_id, env.attempt, action)
+    message_id, attempt = env.message_id, env.attempt
+    now = clock
 
     key = prepared.key if owner is not None else None
     if key is None or owner is None:  # no guard: the broker's counts are all there is
         crashes = lost_deliveries(env, delivery.redelivered, native=policy.native, held=False)
         if crashes >= policy.delivery_limit:
-            return (yield from settle(finish(Crashed(crashes), crashes)))
+            action = consumer.finish(prepared, Crashed(crashes), now(), broker, crashes, lease_ms)
+            return (yield from _settle(consumer, message_id, attempt, action))
         outcome = yield Run(consumer, prepared)
         if outcome is STOPPING:
-            return (yield from _hand_back(consumer, env.message_id, env.attempt))
+            return (yield from _hand_back(consumer, message_id, attempt))
         if outcome is STALE:
-            return Settled(consumer.queue, env.message_id, env.attempt, None, stale=True)
-        return (yield from settle(finish(_outcome(outcome), crashes)))
+            return Settled(consumer.queue, message_id, attempt, None, stale=True)
+        action = consumer.finish(prepared, _outcome(outcome), now(), broker, crashes, lease_ms)
+        return (yield from _settle(consumer, message_id, attempt, action))
 
     claim = yield Claim(key, owner)
     if claim is STALE:
-        return Settled(consumer.queue, env.message_id, env.attempt, None, stale=True)
+        return Settled(consumer.queue, message_id, attempt, None, stale=True)
     if claim is STOPPING:
-        return (yield from _hand_back(consumer, env.message_id, env.attempt))
+        return (yield from _hand_back(consumer, message_id, attempt))
     if isinstance(claim, Exception):
         log.error("%s: idempotency store failed on claim: %r", consumer.queue, claim)
         yield Pause(STORE_PAUSE_S)
         crashes = lost_deliveries(env, delivery.redelivered, native=policy.native, held=False)
-        return (yield from settle(finish(Unavailable(claim), crashes)))
+        action = consumer.finish(prepared, Unavailable(claim), now(), broker, crashes, lease_ms)
+        return (yield from _settle(consumer, message_id, attempt, action))
     assert isinstance(claim, ClaimResult)
     held = claim is ClaimResult.IN_PROGRESS
     crashes = lost_deliveries(env, delivery.redelivered, native=policy.native, held=held)
     if claim is ClaimResult.CLAIMED:
         if crashes >= policy.delivery_limit:
             yield Finish(key, owner, False)
-            return (yield from settle(finish(Crashed(crashes), crashes)))
+            action = consumer.finish(prepared, Crashed(crashes), now(), broker, crashes, lease_ms)
+            return (yield from _settle(consumer, message_id, attempt, action))
         outcome = yield Run(consumer, prepared)
         if outcome is STOPPING or outcome is STALE:  # not started: give the key back
             yield Finish(key, owner, False)
             if outcome is STALE:
-                return Settled(consumer.queue, env.message_id, env.attempt, None, stale=True)
-            return (yield from _hand_back(consumer, env.message_id, env.attempt))
+                return Settled(consumer.queue, message_id, attempt, None, stale=True)
+            return (yield from _hand_back(consumer, message_id, attempt))
         result = _outcome(outcome)
         stored = yield Finish(key, owner, result is None)
-        if isinstance(stored, Exception):
+        if stored is not None:
             # The handler's outcome stands; a duplicate may run again after the lease.
             log.error("%s: idempotency store failed after the handler: %r", consumer.queue, stored)
-        return (yield from settle(finish(result, crashes)))
+        action = consumer.finish(prepared, result, now(), broker, crashes, lease_ms)
+        if action is ACK:  # the common case, without a sub-generator
+            reply = yield WRITE_ACK
+            return Settled(consumer.queue, message_id, attempt, action, stale=reply is STALE)
+        return (yield from _settle(consumer, message_id, attempt, action))
+    outcome_of_claim: Outcome = claim
     if held and crashes >= policy.delivery_limit:
-        return (yield from settle(finish(Crashed(crashes), crashes)))
-    return (yield from settle(finish(claim, crashes)))
+        outcome_of_claim = Crashed(crashes)
+    action = consumer.finish(prepared, outcome_of_claim, now(), broker, crashes, lease_ms)
+    return (yield from _settle(consumer, message_id, attempt, action))
 
 
 def _outcome(reply: object) -> Outcome:
-    if reply is None or isinstance(reply, BaseException):
+    if reply is None or isinstance(reply, BaseException | Undecodable):
         return reply
     raise TypeError(f"a Run step's reply must be None or an exception, got {reply!r}")
 
@@ -253,22 +266,23 @@ def _settle(
 ) -> Generator[Step, object, Settled]:
     """Execute `action` on the broker: ack, or publish the copy and only then ack, or
     hand the delivery back."""
-    settled = Settled(consumer.queue, message_id, attempt, action)
+    publish_error: str | None = None
+    requeued = False
     if isinstance(action, Ack | Skip):
         reply = yield WRITE_ACK
     elif isinstance(action, Republish | Park):
         kind = "park" if isinstance(action, Park) else "republish"
         published = yield Publish(action.outgoing, kind)
         if published is STALE:
-            return dataclasses.replace(settled, stale=True)
+            return Settled(consumer.queue, message_id, attempt, action, stale=True)
         if published is None:
             reply = yield WRITE_ACK  # only once the new copy is confirmed
         else:
-            settled = dataclasses.replace(settled, publish_error=str(published))
+            publish_error = str(published)
             if isinstance(action, Republish) and action.requeue_if_unsent:
                 # A defer or a store outage is no fault of the message: hand it back.
                 reply = yield WRITE_NACK
-                settled = dataclasses.replace(settled, requeued=True)
+                requeued = True
             else:
                 # The broker dead-letters it into the parking exchange (reason rejected):
                 # visible, and no hot loop of redeliveries.
@@ -279,7 +293,14 @@ def _settle(
         reply = yield WriteReject(requeue=True)
     else:  # Requeue: the idempotency store failed (4.3+), or an unexpected error
         reply = yield WRITE_NACK
-        settled = dataclasses.replace(settled, requeued=True)
-    if reply is STALE:
-        return dataclasses.replace(settled, stale=True, requeued=False)
-    return settled
+        requeued = True
+    stale = reply is STALE
+    return Settled(
+        consumer.queue,
+        message_id,
+        attempt,
+        action,
+        stale=stale,
+        requeued=requeued and not stale,
+        publish_error=publish_error,
+    )

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 from rabbit_delay.broker import BrokerInfo
 from rabbit_delay.consumer._app import App, Consumer, Prepared, Transport
 from rabbit_delay.consumer._context import clock_ms
-from rabbit_delay.consumer._decide import Outcome
+from rabbit_delay.consumer._decide import Outcome, Undecodable
 from rabbit_delay.consumer._delivery import Delivery, Program, Settled, delivery_program
 from rabbit_delay.consumer._lease import LeaseBook
 from rabbit_delay.consumer._stats import (
@@ -258,13 +258,18 @@ class WorkerBase:
 
 
 def call_handler(consumer: Consumer, prepared: Prepared, metrics: WorkerMetrics | None) -> Outcome:
-    """Run a plain `def` handler: None, or the exception it raised (the Run step's reply)."""
+    """Decode the body (if not yet) and run a plain `def` handler: None, the exception it
+    raised, or Undecodable (the Run step's reply)."""
+    try:
+        message = consumer.decoded(prepared)
+    except Exception as exc:  # ValidationError, or whatever a TypeAdapter raises
+        return Undecodable.from_exception(exc)
     start = time.perf_counter() if metrics is not None else 0.0
     try:
         if consumer.takes_context:
-            consumer.handler(prepared.message, prepared.ctx)
+            consumer.handler(message, prepared.ctx)
         else:
-            consumer.handler(prepared.message)
+            consumer.handler(message)
     except Exception as exc:
         return exc
     finally:
@@ -277,13 +282,17 @@ async def call_async_handler(
     consumer: Consumer, prepared: Prepared, metrics: WorkerMetrics | None
 ) -> Outcome:
     """`call_handler` for an `async def` handler."""
+    try:
+        message = consumer.decoded(prepared)
+    except Exception as exc:
+        return Undecodable.from_exception(exc)
     start = time.perf_counter() if metrics is not None else 0.0
     handler: Any = consumer.handler
     try:
         if consumer.takes_context:
-            await handler(prepared.message, prepared.ctx)
+            await handler(message, prepared.ctx)
         else:
-            await handler(prepared.message)
+            await handler(message)
     except Exception as exc:
         return exc
     finally:

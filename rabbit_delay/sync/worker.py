@@ -36,6 +36,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from enum import Enum
 from functools import partial
 from queue import SimpleQueue
 from types import FrameType
@@ -95,14 +96,11 @@ _CONNECTION_ERRORS = (
 )
 
 
-# (finishes, their results, claims, their results)
-_StoreJob = tuple[list[tuple["_Live", Finish]], list[tuple["_Live", Claim]]]
-_StoreDone = tuple[
-    list[tuple["_Live", Finish]],
-    list[Exception | None],
-    list[tuple["_Live", Claim]],
-    list[ClaimResult | Exception],
-]
+class _Back(Enum):
+    """What a handler thread hands back to the connection thread."""
+
+    SETTLE = "settle"  # a settle step to execute (the program ran up to it)
+    SETTLED = "settled"  # the program's end
 
 
 @dataclass(slots=True, eq=False)
@@ -149,17 +147,13 @@ class Worker(WorkerBase):
         self._resubscribe: list[Consumer] = []  # cancelled by the broker, to consume again
         self._tracker = AckTracker()
         self._inflight = 0  # deliveries of the current channel not yet settled
-        self._running = 0  # Run steps handed to the handler threads, not yet back
-        self._jobs: SimpleQueue[tuple[_Live, Run] | None] = SimpleQueue()
-        self._results: deque[tuple[_Live, object]] = deque()
-        self._claims: list[tuple[_Live, Claim]] = []  # waiting for the next store batch
-        self._finishes: list[tuple[_Live, Finish]] = []
-        self._pause = 0.0
-        # The store thread: one batch (finishes, then claims) at a time, off the
-        # connection thread, which meanwhile reads deliveries and gathers the next batch.
-        self._store_jobs: SimpleQueue[_StoreJob | None] = SimpleQueue()
-        self._store_done: deque[_StoreDone] = deque()
-        self._store_busy = False
+        self._running = 0  # programs away on the handler and store threads
+        # (delivery, reply to send its program): a handler thread runs it onwards.
+        self._jobs: SimpleQueue[tuple[_Live, object] | None] = SimpleQueue()
+        self._results: deque[tuple[_Live, _Back, object]] = deque()
+        # Claims and finishes for the store thread, run in batches (one transaction or
+        # round trip for all that gathered while the previous batch ran).
+        self._store_ops: SimpleQueue[tuple[_Live, Claim | Finish] | None] = SimpleQueue()
         self._inline_store = self._guard is not None and getattr(
             self._guard.store, "never_blocks", False
         )
@@ -204,7 +198,7 @@ class Worker(WorkerBase):
             self._close_connection()
             for _ in self._threads:
                 self._jobs.put(None)
-            self._store_jobs.put(None)
+            self._store_ops.put(None)
             self._done.set()
             if self._housekeeper is not None:
                 self._housekeeper.join(timeout=5)
@@ -351,7 +345,7 @@ class Worker(WorkerBase):
         store (done or released), so it is never closed under one. A forced stop skips
         this: their claims run out after the lease."""
         last_note = time.monotonic()
-        while self._unfinished() and not self._force.is_set():
+        while (self._running or self._results) and not self._force.is_set():
             time.sleep(0.05)
             self._drain()
             if time.monotonic() - last_note >= 10:
@@ -380,47 +374,45 @@ class Worker(WorkerBase):
             clock_ms(),
         )
         program = self.program(consumer, delivery, self._broker)
-        live = _Live(self._gen, consumer, str(method.consumer_tag), tag, program)
-        self._advance(live, None)
-
-    # -- executing the delivery program (connection thread) -------------------------------
+        # Its program runs on the handler threads (and its store steps on the store
+        # thread) up to its first settle step: the connection thread does the I/O only.
+        self._running += 1
+        self._jobs.put((_Live(self._gen, consumer, str(method.consumer_tag), tag, program), None))
 
     def _stale(self, live: _Live) -> bool:
         return live.gen != self._gen or live.ctag in self._cancelled
 
-    def _advance(self, live: _Live, reply: object) -> None:
-        """Run `live`'s program until it waits: for the store (batched), a handler thread,
-        or its end."""
+    # -- settling (connection thread) -----------------------------------------------------
+
+    def _drain(self) -> None:
+        """Execute the settle steps the handler threads handed back, then write the acks."""
+        # Reset before draining: a result posted meanwhile either is drained below or
+        # sees the flag down and schedules another wake-up.
+        self._wake_pending = False
+        results = self._results
+        while results:
+            live, kind, value = results.popleft()
+            self._running -= 1
+            if kind is _Back.SETTLED:
+                self._settled(live, value)  # type: ignore[arg-type]
+            else:
+                self._settle(live, value)
+        channel = self._channel
+        if channel is not None and channel.is_open:
+            for tag, multiple in self._tracker.flush():  # acks coalesced where exact
+                channel.basic_ack(tag, multiple=multiple)
+
+    def _settle(self, live: _Live, step: Any) -> None:
+        """Run `live`'s program on from its first settle step, to its end: every step
+        left is a settle step (publish, ack, nack, reject)."""
         program = live.program
         while True:
+            reply = STALE if self._stale(live) else self._settle_step(live, step)
             try:
-                step: Step = program.send(reply)
+                step = program.send(reply)
             except StopIteration as stop:
                 self._settled(live, stop.value)
                 return
-            if isinstance(step, Finish):  # always executed: the handler did run
-                self._finishes.append((live, step))
-                return
-            if self._stale(live):
-                reply = STALE
-            elif isinstance(step, Claim):
-                if self._stopping:
-                    reply = STOPPING
-                else:
-                    self._claims.append((live, step))
-                    return
-            elif isinstance(step, Run):
-                if self._stopping:
-                    reply = STOPPING
-                else:
-                    self._running += 1
-                    self._jobs.put((live, step))
-                    return
-            elif isinstance(step, Pause):
-                self._pause = max(self._pause, step.seconds)
-                reply = None
-            else:
-                reply = self._settle_step(live, step)
 
     def _settle_step(self, live: _Live, step: Publish | WriteAck | WriteNack | WriteReject) -> Any:
         channel = self._channel
@@ -456,82 +448,6 @@ class Worker(WorkerBase):
             return exc
         return None
 
-    def _unfinished(self) -> bool:
-        """Handlers running, results or store work not yet taken in."""
-        return bool(
-            self._running
-            or self._results
-            or self._store_busy
-            or self._store_done
-            or self._claims
-            or self._finishes
-        )
-
-    def _store_batches(self) -> None:
-        """Take in the store's results, and hand it the claims and finishes the programs
-        wait for, as one batch, when it is free: to the store thread, or here for a
-        store that never blocks (memory)."""
-        while True:
-            while self._store_done:
-                finishes, finished, claims, claimed = self._store_done.popleft()
-                self._store_busy = False
-                for (live, _), result in zip(finishes, finished, strict=True):
-                    self._advance(live, result)
-                self.leases.hold_many(
-                    [
-                        (claim.key, claim.owner)
-                        for (_, claim), outcome in zip(claims, claimed, strict=True)
-                        if outcome is ClaimResult.CLAIMED
-                    ],
-                    clock_ms(),
-                )
-                for (live, _), outcome in zip(claims, claimed, strict=True):
-                    self._advance(live, outcome)
-            if self._store_busy or not (self._claims or self._finishes):
-                break
-            finishes, self._finishes = self._finishes, []
-            claims, self._claims = self._claims, []
-            lost = self.leases.drop_many([step.owner for _, step in finishes])
-            if lost:
-                for _, step in finishes:
-                    if step.owner in lost:
-                        self.finished_after_lost_lease(step.key)
-            self._store_busy = True
-            if not self._inline_store:
-                self._store_jobs.put((finishes, claims))
-                break
-            self._store_done.append(self._store_batch(finishes, claims))
-        if self._pause:
-            pause, self._pause = self._pause, 0.0
-            time.sleep(pause)  # back-pressure: the store is failing
-
-    def _store_batch(
-        self, finishes: list[tuple[_Live, Finish]], claims: list[tuple[_Live, Claim]]
-    ) -> _StoreDone:
-        guard = self._guard
-        assert guard is not None
-        finished: list[Exception | None]
-        claimed: list[ClaimResult | Exception]
-        try:
-            finished = guard.finish_many([(s.key, s.owner, s.succeeded) for _, s in finishes])
-        except Exception as exc:  # a store that breaks the batch contract
-            finished = [exc] * len(finishes)
-        try:
-            claimed = guard.claim_many([(s.key, s.owner) for _, s in claims])
-        except Exception as exc:
-            claimed = [exc] * len(claims)
-        return finishes, finished, claims, claimed
-
-    def _store_work(self) -> None:
-        """The store thread: runs one batch at a time (sqlite3 and the network release
-        the GIL, so the connection thread goes on meanwhile)."""
-        while True:
-            job = self._store_jobs.get()
-            if job is None:
-                return
-            self._store_done.append(self._store_batch(*job))
-            self._wake()
-
     def _wake(self) -> None:
         conn = self._conn
         if conn is None:
@@ -540,22 +456,7 @@ class Worker(WorkerBase):
         with contextlib.suppress(pika.exceptions.AMQPError, AttributeError):
             conn.add_callback_threadsafe(self._drain)
 
-    def _drain(self) -> None:
-        # Reset before draining: a result posted meanwhile either is drained below or
-        # sees the flag down and schedules another wake-up.
-        self._wake_pending = False
-        results = self._results
-        while results:
-            live, outcome = results.popleft()
-            self._running -= 1
-            self._advance(live, outcome)
-        self._store_batches()
-        channel = self._channel
-        if channel is not None and channel.is_open:
-            for tag, multiple in self._tracker.flush():  # acks coalesced where exact
-                channel.basic_ack(tag, multiple=multiple)
-
-    # -- handler threads -------------------------------------------------------------------
+    # -- handler threads: the program up to its first settle step ------------------------
 
     def _start_threads(self) -> None:
         for i in range(self.concurrency):
@@ -564,9 +465,7 @@ class Worker(WorkerBase):
             self._threads.append(t)
         if self._guard is not None and not self._inline_store:
             store = threading.Thread(
-                target=self._store_work,
-                name="rabbit-delay-store",
-                daemon=True,
+                target=self._store_work, args=(self._guard,), name="rabbit-delay-store", daemon=True
             )
             store.start()
             self._threads.append(store)
@@ -585,21 +484,127 @@ class Worker(WorkerBase):
             job = jobs.get()
             if job is None:
                 return
-            live, step = job
-            reply: object
-            if self._stale(live):
-                reply = STALE  # its channel or consumer is gone: the broker redelivers it
-            elif self._stopping:
-                reply = STOPPING
-            else:
-                try:
-                    reply = call_handler(step.consumer, step.prepared, self.metrics)
-                except BaseException as exc:  # a KeyboardInterrupt-like escape: a failure
-                    reply = RuntimeError(f"handler escaped with {exc!r}")
-            results.append((live, reply))
+            live, reply = job
+            back = self._run_here(live, reply)
+            if back is None:
+                continue  # waiting for the store thread
+            results.append(back)
             if not self._wake_pending:
                 self._wake_pending = True
                 self._wake()
+
+    def _run_here(self, live: _Live, reply: object) -> tuple[_Live, _Back, object] | None:
+        """Run `live`'s program on from `reply` up to its first settle step (for the
+        connection thread), its end, or a store step for the store thread (None)."""
+        program = live.program
+        while True:
+            try:
+                step: Step = program.send(reply)
+            except StopIteration as stop:
+                return live, _Back.SETTLED, stop.value
+            kind = type(step)
+            if kind is Finish:  # always executed: the handler did run
+                if not self._inline_store:
+                    self._store_ops.put((live, step))  # type: ignore[arg-type]
+                    return None
+                reply = self._finish_now(step)  # type: ignore[arg-type]
+            elif kind is Claim or kind is Run:
+                if self._stale(live):
+                    reply = STALE  # its channel or consumer is gone: redelivered
+                elif self._stopping:
+                    reply = STOPPING
+                elif kind is Run:
+                    run: Any = step
+                    try:
+                        reply = call_handler(run.consumer, run.prepared, self.metrics)
+                    except BaseException as exc:  # a KeyboardInterrupt-like escape
+                        reply = RuntimeError(f"handler escaped with {exc!r}")
+                elif self._inline_store:
+                    reply = self._claim_now(step)  # type: ignore[arg-type]
+                else:
+                    self._store_ops.put((live, step))  # type: ignore[arg-type]
+                    return None
+            elif kind is Pause:
+                time.sleep(step.seconds)  # type: ignore[union-attr]  # the store fails
+                reply = None
+            else:
+                return live, _Back.SETTLE, step
+
+    def _claim_now(self, step: Claim) -> object:
+        """A store that never blocks (memory): claimed on the handler thread at once."""
+        guard = self._guard
+        assert guard is not None
+        try:
+            result = guard.claim(step.key, step.owner)
+        except Exception as exc:
+            return exc
+        if result is ClaimResult.CLAIMED:
+            self.leases.hold(step.key, step.owner, clock_ms())
+        return result
+
+    def _finish_now(self, step: Finish) -> object:
+        guard = self._guard
+        assert guard is not None
+        if self.leases.drop(step.owner):
+            self.finished_after_lost_lease(step.key)
+        try:
+            if step.succeeded:
+                guard.done(step.key, step.owner)
+            else:
+                guard.failed(step.key, step.owner)
+        except Exception as exc:
+            return exc
+        return None
+
+    # -- the store thread ------------------------------------------------------------------
+
+    def _store_work(self, guard: Guard) -> None:
+        """Claims and finishes in batches: all that gathered while the previous batch ran
+        go to the store together (one transaction, one round trip; sqlite3 and the
+        network release the GIL meanwhile). Each program then goes on on a handler thread."""
+        ops = self._store_ops
+        while True:
+            first = ops.get()
+            if first is None:
+                return
+            batch = [first]
+            while not ops.empty():
+                more = ops.get_nowait()
+                if more is None:
+                    ops.put(None)  # stop after this batch
+                    break
+                batch.append(more)
+            finishes = [(live, op) for live, op in batch if type(op) is Finish]
+            claims = [(live, op) for live, op in batch if type(op) is Claim]
+            finished: list[Exception | None] = []
+            claimed: list[ClaimResult | Exception] = []
+            if finishes:
+                lost = self.leases.drop_many([op.owner for _, op in finishes])
+                for _, op in finishes:
+                    if op.owner in lost:
+                        self.finished_after_lost_lease(op.key)
+                items = [(op.key, op.owner, op.succeeded) for _, op in finishes]
+                try:
+                    finished = guard.finish_many(items)
+                except Exception as exc:  # a store that breaks the batch contract
+                    finished = [exc] * len(finishes)
+            if claims:
+                try:
+                    claimed = guard.claim_many([(op.key, op.owner) for _, op in claims])
+                except Exception as exc:
+                    claimed = [exc] * len(claims)
+                self.leases.hold_many(
+                    [
+                        (op.key, op.owner)
+                        for (_, op), result in zip(claims, claimed, strict=True)
+                        if result is ClaimResult.CLAIMED
+                    ],
+                    clock_ms(),
+                )
+            for (live, _), finish in zip(finishes, finished, strict=True):
+                self._jobs.put((live, finish))
+            for (live, _), claim in zip(claims, claimed, strict=True):
+                self._jobs.put((live, claim))
 
     def _housekeeping(self, guard: Guard) -> None:
         """Renew the leases of running handlers; purge expired records now and then. No

@@ -21,7 +21,7 @@ from rabbit_delay.consumer import (
     Requeue,
     Skip,
 )
-from rabbit_delay.consumer._app import scoped_key
+from rabbit_delay.consumer._app import NOT_DECODED, scoped_key
 from rabbit_delay.consumer._delivery import (
     STALE,
     STOPPING,
@@ -37,6 +37,7 @@ from rabbit_delay.consumer._delivery import (
     delivery_program,
 )
 from rabbit_delay.consumer._lease import LeaseBook, defer_delay_ms, renew_every_ms
+from rabbit_delay.consumer._worker_base import call_handler
 from rabbit_delay.errors import ConfigError, PublishError
 from rabbit_delay.idempotency import ClaimResult, MemoryStore
 from rabbit_delay.topology import topology_from_dict
@@ -344,8 +345,26 @@ def test_a_store_failure_pauses_then_keeps_the_message(
         assert settled.requeued
 
 
-def test_an_undecodable_body_is_parked_without_a_claim() -> None:
-    steps, settled = drive(make_app(), delivery(body=b"not json"), answer())
+def test_an_undecodable_body_is_decoded_where_the_handler_runs_then_parked() -> None:
+    def reply(step: object) -> object:
+        if isinstance(step, Claim):
+            return ClaimResult.CLAIMED
+        if isinstance(step, Run):  # what the workers run: decode, then the handler
+            assert step.prepared.message is NOT_DECODED  # not on the connection thread
+            return call_handler(step.consumer, step.prepared, None)
+        return None
+
+    steps, settled = drive(make_app(), delivery(body=b"not json"), reply)
+    assert kinds(steps) == ["Claim", "Run", "Finish", "Publish", "WriteAck"]
+    finish = steps[2]
+    assert isinstance(finish, Finish)
+    assert not finish.succeeded  # the key is released, not recorded done
+    assert isinstance(settled.action, Park)
+    assert settled.action.reason is ParkReason.DECODE_ERROR
+
+
+def test_malformed_headers_are_parked_without_a_claim() -> None:
+    steps, settled = drive(make_app(), delivery(**{h.H_ATTEMPT: "x"}), answer())
     assert kinds(steps) == ["Publish", "WriteAck"]
     assert isinstance(settled.action, Park)
     assert settled.action.reason is ParkReason.DECODE_ERROR
