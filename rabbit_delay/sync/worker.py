@@ -374,10 +374,18 @@ class Worker(WorkerBase):
             clock_ms(),
         )
         program = self.program(consumer, delivery, self._broker)
+        live = _Live(self._gen, consumer, str(method.consumer_tag), tag, program)
         # Its program runs on the handler threads (and its store steps on the store
-        # thread) up to its first settle step: the connection thread does the I/O only.
+        # thread) up to its first settle step: the connection thread does the I/O.
         self._running += 1
-        self._jobs.put((_Live(self._gen, consumer, str(method.consumer_tag), tag, program), None))
+        if self._inline_store or self._guard is None:
+            self._jobs.put((live, None))
+            return
+        # Up to its claim here (reading the headers only): one hop less on the way to the
+        # store thread's next batch.
+        back = self._run_here(live, None, handler_thread=False)
+        if back is not None:
+            self._results.append(back)
 
     def _stale(self, live: _Live) -> bool:
         return live.gen != self._gen or live.ctag in self._cancelled
@@ -484,8 +492,11 @@ class Worker(WorkerBase):
             job = jobs.get()
             if job is None:
                 return
-            live, reply = job
-            back = self._run_here(live, reply)
+            live, item = job
+            kind = type(item)
+            if kind is Run or kind is Pause:  # a step handed over by the store thread
+                item = self._execute_here(live, item)  # type: ignore[arg-type]
+            back = self._run_here(live, item)
             if back is None:
                 continue  # waiting for the store thread
             results.append(back)
@@ -493,9 +504,27 @@ class Worker(WorkerBase):
                 self._wake_pending = True
                 self._wake()
 
-    def _run_here(self, live: _Live, reply: object) -> tuple[_Live, _Back, object] | None:
-        """Run `live`'s program on from `reply` up to its first settle step (for the
-        connection thread), its end, or a store step for the store thread (None)."""
+    def _execute_here(self, live: _Live, step: Run | Pause) -> object:
+        """A Run (the handler) or a Pause, on a handler thread."""
+        if type(step) is Pause:
+            time.sleep(step.seconds)  # back-pressure: the store fails
+            return None
+        if self._stale(live):
+            return STALE  # its channel or consumer is gone: the broker redelivers it
+        if self._stopping:
+            return STOPPING
+        run: Any = step
+        try:
+            return call_handler(run.consumer, run.prepared, self.metrics)
+        except BaseException as exc:  # a KeyboardInterrupt-like escape: a failure
+            return RuntimeError(f"handler escaped with {exc!r}")
+
+    def _run_here(
+        self, live: _Live, reply: object, *, handler_thread: bool = True
+    ) -> tuple[_Live, _Back, object] | None:
+        """Run `live`'s program on from `reply` up to its first settle step (returned,
+        for the connection thread) or its end; a store step goes to the store thread,
+        and on the store thread a Run or Pause to a handler thread (None)."""
         program = live.program
         while True:
             try:
@@ -508,25 +537,21 @@ class Worker(WorkerBase):
                     self._store_ops.put((live, step))  # type: ignore[arg-type]
                     return None
                 reply = self._finish_now(step)  # type: ignore[arg-type]
-            elif kind is Claim or kind is Run:
+            elif kind is Run or kind is Pause:
+                if not handler_thread:
+                    self._jobs.put((live, step))
+                    return None
+                reply = self._execute_here(live, step)  # type: ignore[arg-type]
+            elif kind is Claim:
                 if self._stale(live):
                     reply = STALE  # its channel or consumer is gone: redelivered
                 elif self._stopping:
                     reply = STOPPING
-                elif kind is Run:
-                    run: Any = step
-                    try:
-                        reply = call_handler(run.consumer, run.prepared, self.metrics)
-                    except BaseException as exc:  # a KeyboardInterrupt-like escape
-                        reply = RuntimeError(f"handler escaped with {exc!r}")
                 elif self._inline_store:
                     reply = self._claim_now(step)  # type: ignore[arg-type]
                 else:
                     self._store_ops.put((live, step))  # type: ignore[arg-type]
                     return None
-            elif kind is Pause:
-                time.sleep(step.seconds)  # type: ignore[union-attr]  # the store fails
-                reply = None
             else:
                 return live, _Back.SETTLE, step
 
@@ -601,10 +626,19 @@ class Worker(WorkerBase):
                     ],
                     clock_ms(),
                 )
+            # Each program goes on here up to its next Run (for a handler thread) or its
+            # first settle step (for the connection thread, woken once per batch).
+            back = []
             for (live, _), finish in zip(finishes, finished, strict=True):
-                self._jobs.put((live, finish))
+                back.append(self._run_here(live, finish, handler_thread=False))
             for (live, _), claim in zip(claims, claimed, strict=True):
-                self._jobs.put((live, claim))
+                back.append(self._run_here(live, claim, handler_thread=False))
+            settle = [b for b in back if b is not None]
+            if settle:
+                self._results.extend(settle)
+                if not self._wake_pending:
+                    self._wake_pending = True
+                    self._wake()
 
     def _housekeeping(self, guard: Guard) -> None:
         """Renew the leases of running handlers; purge expired records now and then. No
