@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -342,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 fill(url, topology, n)
+                gc.collect()  # each contender starts without the previous one's garbage
                 rate = contenders[name]()
                 samples[name].append(rate)
                 log(f"  round {r + 1}: {name:<13} {rate:>9.0f} msg/s")

@@ -110,8 +110,10 @@ class Envelope:
             due = headers.get(h.H_DUE_AT)
             due_at_ms = int(due) if due is not None else None  # type: ignore[call-overload]
             delivery_count = int(headers.get(h.DELIVERY_COUNT_HEADER, 0))  # type: ignore[call-overload]
-            crashes = int(headers.get(h.H_CRASHES, 0))  # type: ignore[call-overload]
-            deferrals = int(headers.get(h.H_DEFERRALS, 0))  # type: ignore[call-overload]
+            crashes = headers.get(h.H_CRASHES)
+            crashes = int(crashes) if crashes is not None else 0  # type: ignore[call-overload]
+            deferrals = headers.get(h.H_DEFERRALS)
+            deferrals = int(deferrals) if deferrals is not None else 0  # type: ignore[call-overload]
         except (TypeError, ValueError) as exc:
             raise DecodeError(f"malformed rabbit-delay headers: {exc}") from None
         tier = headers.get(h.H_TIER)

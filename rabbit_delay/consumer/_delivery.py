@@ -76,7 +76,7 @@ STALE = Signal.STALE
 STOPPING = Signal.STOPPING
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Delivery:
     """One delivery as the broker handed it out (the transport's fields copied)."""
 
@@ -91,52 +91,54 @@ class Delivery:
 # -- steps ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Claim:
     key: str
     owner: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Run:
     consumer: Consumer
     prepared: Prepared
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Finish:
     key: str
     owner: str
     succeeded: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Pause:
     seconds: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Publish:
     outgoing: Outgoing
     kind: str  # "republish" or "park", for the log
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class WriteAck:
     pass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class WriteNack:
     """basic.nack(requeue=True): from RabbitMQ 4.3 it does not count towards a quorum
     queue's delivery limit (a reject does)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class WriteReject:
     requeue: bool
 
 
+# Plain (not frozen) slotted records: a frozen dataclass sets each field through
+# object.__setattr__, a cost paid several times per delivery on the hot path.
 Step = Claim | Run | Finish | Pause | Publish | WriteAck | WriteNack | WriteReject
 SettleStep = Publish | WriteAck | WriteNack | WriteReject
 
@@ -144,7 +146,7 @@ WRITE_ACK = WriteAck()
 WRITE_NACK = WriteNack()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Settled:
     """What became of one delivery: the workers count and log exactly this, once."""
 

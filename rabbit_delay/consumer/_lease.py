@@ -18,9 +18,6 @@ reason `crashed`.
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass
-
 from rabbit_delay.message import Envelope
 
 # A renewal every third of the lease: two may fail before the lease runs out.
@@ -68,77 +65,73 @@ def may_have_run(env: Envelope, redelivered: bool) -> bool:
     return redelivered or env.crashes > 0 or env.deferrals > 0 or env.delivery_count > 0
 
 
-@dataclass(slots=True)
-class _Held:
-    key: str
-    renewed_ms: int
-    lost: bool = False
-
-
 class LeaseBook:
     """The claims a worker holds while their handlers run, and when to renew them.
 
-    Thread-safe; its lock guards only the book, never a store round trip, so a handler
-    starting or finishing never waits on another key's renewal.
+    Thread-safe without a lock of its own (single dict operations are atomic in
+    CPython): a handler starting or finishing never waits, neither on another key's
+    renewal nor on the book. Only the renewer (one thread or task) calls `due` and
+    `renewed`.
     """
 
     def __init__(self, lease_ms: int) -> None:
         self.lease_ms = lease_ms
         self.every_ms = renew_every_ms(lease_ms)
-        self._held: dict[str, _Held] = {}  # owner -> its claim
-        self._lock = threading.Lock()
+        self._held: dict[str, tuple[str, int]] = {}  # owner -> (key, held since); handlers
+        self._renewed: dict[str, int] = {}  # owner -> last renewal; the renewer only
+        self._lost: dict[str, None] = {}  # owners whose lease was lost (ordered set)
         self.lost = 0  # renewals that found the claim gone (a second copy may run)
 
     def hold(self, key: str, owner: str, now_ms: int) -> None:
-        with self._lock:
-            self._held[owner] = _Held(key, now_ms)
+        self._held[owner] = (key, now_ms)
 
     def hold_many(self, held: list[tuple[str, str]], now_ms: int) -> None:
-        """`hold` for a batch of (key, owner), under one lock."""
-        with self._lock:
-            for key, owner in held:
-                self._held[owner] = _Held(key, now_ms)
+        """`hold` for a batch of (key, owner)."""
+        book = self._held
+        for key, owner in held:
+            book[owner] = (key, now_ms)
 
     def drop_many(self, owners: list[str]) -> list[str]:
         """`drop` for a batch; returns the owners whose lease was lost."""
-        lost = []
-        with self._lock:
-            for owner in owners:
-                held = self._held.pop(owner, None)
-                if held is not None and held.lost:
-                    lost.append(owner)
-        return lost
+        return [owner for owner in owners if self.drop(owner)]
 
     def drop(self, owner: str) -> bool:
         """Forget `owner`'s claim (its handler finished). True if its lease was lost."""
-        with self._lock:
-            held = self._held.pop(owner, None)
-        return held is not None and held.lost
+        self._held.pop(owner, None)
+        if self._lost:
+            return self._lost.pop(owner, 0) is None
+        return False
 
     def due(self, now_ms: int) -> list[tuple[str, str]]:
         """(key, owner) of the claims to renew now: renewed longer than `every_ms` ago."""
         threshold = now_ms - self.every_ms
-        with self._lock:
-            return [
-                (held.key, owner)
-                for owner, held in self._held.items()
-                if held.renewed_ms <= threshold and not held.lost
-            ]
+        held = dict(self._held)  # a snapshot: handlers go on holding and dropping
+        renewed, lost = self._renewed, self._lost
+        for owner in [o for o in renewed if o not in held]:  # finished since
+            del renewed[owner]
+        for owner in [o for o in lost if o not in held]:
+            lost.pop(owner, None)
+        return [
+            (key, owner)
+            for owner, (key, since) in held.items()
+            if renewed.get(owner, since) <= threshold and owner not in lost
+        ]
 
     def renewed(self, owner: str, ok: bool, now_ms: int) -> bool:
         """Record a renewal's result. True when it reveals a lost lease (the claim is
         gone or another owner took it: the handler still running is no longer the only
         one); False otherwise, including a claim dropped meanwhile."""
-        with self._lock:
-            held = self._held.get(owner)
-            if held is None:
-                return False  # finished while the renewal ran
-            if ok:
-                held.renewed_ms = now_ms
-                return False
-            held.lost = True
-            self.lost += 1
-            return True
+        if owner not in self._held:
+            return False  # finished while the renewal ran
+        if ok:
+            self._renewed[owner] = now_ms
+            return False
+        self._lost[owner] = None
+        if owner not in self._held:  # dropped meanwhile: not a loss after all
+            self._lost.pop(owner, None)
+            return False
+        self.lost += 1
+        return True
 
     def __len__(self) -> int:
         return len(self._held)

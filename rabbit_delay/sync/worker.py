@@ -111,7 +111,7 @@ class _Live:
     consumer: Consumer
     ctag: str
     tag: int
-    program: Program
+    program: Program | None  # made on a handler thread for a store that never blocks
 
 
 class Worker(WorkerBase):
@@ -365,6 +365,14 @@ class Worker(WorkerBase):
         self.stats.received += 1
         tag: int = method.delivery_tag
         self._tracker.delivered(tag)
+        # Its program runs on the handler threads (and its store steps on the store
+        # thread) up to its first settle step: the connection thread does the I/O.
+        self._running += 1
+        if self._inline_store or self._guard is None:
+            # Even the program is made there: this thread is the worker's bottleneck.
+            fresh = (consumer, props, body, bool(method.redelivered), clock_ms(), self._broker)
+            self._jobs.put((_Live(self._gen, consumer, method.consumer_tag, tag, None), fresh))
+            return
         delivery = Delivery(
             props.message_id,
             props.headers,
@@ -374,13 +382,7 @@ class Worker(WorkerBase):
             clock_ms(),
         )
         program = self.program(consumer, delivery, self._broker)
-        live = _Live(self._gen, consumer, str(method.consumer_tag), tag, program)
-        # Its program runs on the handler threads (and its store steps on the store
-        # thread) up to its first settle step: the connection thread does the I/O.
-        self._running += 1
-        if self._inline_store or self._guard is None:
-            self._jobs.put((live, None))
-            return
+        live = _Live(self._gen, consumer, method.consumer_tag, tag, program)
         # Up to its claim here (reading the headers only): one hop less on the way to the
         # store thread's next batch.
         back = self._run_here(live, None, handler_thread=False)
@@ -413,7 +415,7 @@ class Worker(WorkerBase):
     def _settle(self, live: _Live, step: Any) -> None:
         """Run `live`'s program on from its first settle step, to its end: every step
         left is a settle step (publish, ack, nack, reject)."""
-        program = live.program
+        program: Any = live.program
         while True:
             reply = STALE if self._stale(live) else self._settle_step(live, step)
             try:
@@ -492,17 +494,30 @@ class Worker(WorkerBase):
             job = jobs.get()
             if job is None:
                 return
-            live, item = job
-            kind = type(item)
-            if kind is Run or kind is Pause:  # a step handed over by the store thread
-                item = self._execute_here(live, item)  # type: ignore[arg-type]
-            back = self._run_here(live, item)
+            back = self._job(*job)
             if back is None:
                 continue  # waiting for the store thread
             results.append(back)
             if not self._wake_pending:
                 self._wake_pending = True
                 self._wake()
+
+    def _job(self, live: _Live, item: object) -> tuple[_Live, _Back, object] | None:
+        """One job of a handler thread: a fresh delivery (make its program), a step
+        handed over by the store thread, or a reply; then the program up to its next
+        settle step (returned), store step or end."""
+        kind = type(item)
+        if kind is tuple:  # a fresh delivery: make its program
+            fresh: Any = item
+            consumer, props, body, redelivered, received_ms, broker = fresh
+            delivery = Delivery(
+                props.message_id, props.headers, redelivered, body, props.content_type, received_ms
+            )
+            live.program = self.program(consumer, delivery, broker)
+            item = None
+        elif kind is Run or kind is Pause:  # a step handed over by the store thread
+            item = self._execute_here(live, item)  # type: ignore[arg-type]
+        return self._run_here(live, item)
 
     def _execute_here(self, live: _Live, step: Run | Pause) -> object:
         """A Run (the handler) or a Pause, on a handler thread."""
@@ -525,7 +540,7 @@ class Worker(WorkerBase):
         """Run `live`'s program on from `reply` up to its first settle step (returned,
         for the connection thread) or its end; a store step goes to the store thread,
         and on the store thread a Run or Pause to a handler thread (None)."""
-        program = live.program
+        program: Any = live.program
         while True:
             try:
                 step: Step = program.send(reply)
