@@ -309,6 +309,7 @@ def park_reason(props: pika.BasicProperties) -> str:
 DELIVERY_LIMIT = 3
 CRASH_LEASE_S = 3.0
 NORMAL = 1_000
+NORMAL_SETTLE_S = 30.0
 
 
 @pytest.mark.timeout(120)
@@ -353,6 +354,12 @@ def test_a_message_that_kills_every_worker_is_parked_as_crashed_and_the_rest_run
             parked_after = time.monotonic() - published
         if parked_after is not None and len(effects(database)) >= NORMAL:
             break
+        time.sleep(0.25)
+    # The other messages only have to finish, exactly once: each crash hands a dead
+    # worker's in-flight ones to the other worker, which waits out their lease. On a
+    # loaded machine that can outlast the parking deadline; give them their own.
+    settle_deadline = time.monotonic() + NORMAL_SETTLE_S
+    while len(effects(database)) < NORMAL and time.monotonic() < settle_deadline:
         time.sleep(0.25)
     supervisor.stop()
 
