@@ -368,26 +368,9 @@ class Worker(WorkerBase):
         # Its program runs on the handler threads (and its store steps on the store
         # thread) up to its first settle step: the connection thread does the I/O.
         self._running += 1
-        if self._inline_store or self._guard is None:
-            # Even the program is made there: this thread is the worker's bottleneck.
-            fresh = (consumer, props, body, bool(method.redelivered), clock_ms(), self._broker)
-            self._jobs.put((_Live(self._gen, consumer, method.consumer_tag, tag, None), fresh))
-            return
-        delivery = Delivery(
-            props.message_id,
-            props.headers,
-            bool(method.redelivered),
-            body,
-            props.content_type,
-            clock_ms(),
-        )
-        program = self.program(consumer, delivery, self._broker)
-        live = _Live(self._gen, consumer, method.consumer_tag, tag, program)
-        # Up to its claim here (reading the headers only): one hop less on the way to the
-        # store thread's next batch.
-        back = self._run_here(live, None, handler_thread=False)
-        if back is not None:
-            self._results.append(back)
+        # Even the program is made there: this thread is the worker's bottleneck.
+        fresh = (consumer, props, body, bool(method.redelivered), clock_ms(), self._broker)
+        self._jobs.put((_Live(self._gen, consumer, method.consumer_tag, tag, None), fresh))
 
     def _stale(self, live: _Live) -> bool:
         return live.gen != self._gen or live.ctag in self._cancelled
