@@ -464,6 +464,30 @@ class Guard(_GuardBase):
         )
         return slots.fill(results)
 
+    def finish_and_claim_many(
+        self, finishes: Sequence[FinishItem], claims: Sequence[ClaimItem]
+    ) -> tuple[list[Exception | None], list[ClaimResult | Exception]]:
+        """`finish_many(finishes)` then `claim_many(claims)`, in one store transaction
+        where the store can (`SQLiteStore.finish_and_claim_many`: one commit for a
+        worker's whole batch), else one after the other. Never raises."""
+        combined = getattr(self.store, "finish_and_claim_many", None)
+        if combined is None or not finishes or not claims:
+            return self.finish_many(finishes), self.claim_many(claims)
+        done_slots, claim_slots = _Slots(finishes), _Slots(claims)
+        try:
+            finished, claimed = combined(
+                done_slots.valid,
+                claim_slots.valid,
+                now_ms=self.clock(),
+                lease_ms=self.lease_ms,
+                retention_ms=self.retention_ms,
+            )
+        except Exception as exc:  # a store that breaks the batch contract
+            finished = [exc] * len(done_slots.valid)
+            claimed = [exc] * len(claim_slots.valid)
+        self._count_all(claimed)
+        return done_slots.fill(finished), claim_slots.fill(claimed)
+
     def done(self, key: str, owner: str) -> None:
         """The handler succeeded: keep `key` as done for the retention period."""
         self.store.complete(key, owner, now_ms=self.clock(), retention_ms=self.retention_ms)

@@ -85,6 +85,11 @@ from rabbit_delay.urls import redact
 log = logging.getLogger("rabbit_delay.worker")
 
 POLL_S = 0.2  # how often the connection thread looks at the stop flag when idle
+# At most this many claims and finishes per store batch: a prefetch window arrives as one
+# burst, and one batch for all of it would move the window in lockstep (every message
+# waits for the whole batch before its handler, or its ack); smaller batches let the
+# first acks go out, and the next deliveries come in, while the rest is stored.
+STORE_BATCH = 64
 _CONNECTION_ERRORS = (
     pika.exceptions.AMQPConnectionError,
     pika.exceptions.ConnectionClosed,
@@ -591,7 +596,7 @@ class Worker(WorkerBase):
             if first is None:
                 return
             batch = [first]
-            while not ops.empty():
+            while len(batch) < STORE_BATCH and not ops.empty():
                 more = ops.get_nowait()
                 if more is None:
                     ops.put(None)  # stop after this batch
@@ -599,31 +604,22 @@ class Worker(WorkerBase):
                 batch.append(more)
             finishes = [(live, op) for live, op in batch if type(op) is Finish]
             claims = [(live, op) for live, op in batch if type(op) is Claim]
-            finished: list[Exception | None] = []
-            claimed: list[ClaimResult | Exception] = []
-            if finishes:
-                lost = self.leases.drop_many([op.owner for _, op in finishes])
-                for _, op in finishes:
-                    if op.owner in lost:
-                        self.finished_after_lost_lease(op.key)
-                items = [(op.key, op.owner, op.succeeded) for _, op in finishes]
-                try:
-                    finished = guard.finish_many(items)
-                except Exception as exc:  # a store that breaks the batch contract
-                    finished = [exc] * len(finishes)
-            if claims:
-                try:
-                    claimed = guard.claim_many([(op.key, op.owner) for _, op in claims])
-                except Exception as exc:
-                    claimed = [exc] * len(claims)
-                self.leases.hold_many(
-                    [
-                        (op.key, op.owner)
-                        for (_, op), result in zip(claims, claimed, strict=True)
-                        if result is ClaimResult.CLAIMED
-                    ],
-                    clock_ms(),
-                )
+            lost = self.leases.drop_many([op.owner for _, op in finishes])
+            for _, op in finishes:
+                if op.owner in lost:
+                    self.finished_after_lost_lease(op.key)
+            finished, claimed = guard.finish_and_claim_many(
+                [(op.key, op.owner, op.succeeded) for _, op in finishes],
+                [(op.key, op.owner) for _, op in claims],
+            )
+            self.leases.hold_many(
+                [
+                    (op.key, op.owner)
+                    for (_, op), result in zip(claims, claimed, strict=True)
+                    if result is ClaimResult.CLAIMED
+                ],
+                clock_ms(),
+            )
             # Each program goes on here up to its next Run (for a handler thread) or its
             # first settle step (for the connection thread, woken once per batch).
             back = []

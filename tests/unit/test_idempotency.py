@@ -1171,3 +1171,37 @@ def test_a_new_file_gets_the_rowid_table(tmp_path: Path) -> None:
     assert "WITHOUT ROWID" not in sql
     assert "UNIQUE" in sql
     store.close()
+
+
+def test_sqlite_finish_and_claim_many_is_one_commit_with_the_same_results(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "idem.sqlite3")
+    guard = Guard(store, lease_ms=LEASE, retention_ms=RETENTION, clock=lambda: T0)
+    assert guard.claim_many([("a", "o1"), ("b", "o2")]) == [CLAIMED, CLAIMED]
+    statements: list[str] = []
+    store._conn.set_trace_callback(statements.append)
+    finished, claimed = guard.finish_and_claim_many(
+        [("a", "o1", True), ("b", "o2", False)], [("a", "o3"), ("b", "o4"), ("c", "o5"), ("", "o6")]
+    )
+    store._conn.set_trace_callback(None)
+    assert finished == [None, None]
+    assert claimed[:3] == [DONE, CLAIMED, CLAIMED]  # b was released, c is new
+    assert isinstance(claimed[3], ValueError)  # an empty key fails in its slot only
+    assert sum(s.strip().upper().startswith("COMMIT") for s in statements) == 1
+    assert guard.stats.claimed == 4
+    assert guard.stats.duplicates_skipped == 1
+    store.close()
+
+
+def test_sqlite_finish_and_claim_many_falls_back_item_by_item(tmp_path: Path) -> None:
+    sync_store = SQLiteStore(tmp_path / "idem.sqlite3")
+    poison_trigger(sync_store, "bad")
+    guard = Guard(sync_store, lease_ms=LEASE, retention_ms=RETENTION, clock=lambda: T0)
+    assert guard.claim_many([("k1", "a")]) == [CLAIMED]
+    finished, claimed = guard.finish_and_claim_many(
+        [("k1", "a", True)], [("k2", "b"), ("bad", "c")]
+    )
+    assert finished == [None]
+    assert claimed[0] is CLAIMED
+    assert isinstance(claimed[1], sqlite3.IntegrityError)
+    assert guard.claim_many([("k1", "z")]) == [DONE]
+    sync_store.close()
