@@ -598,6 +598,7 @@ class _StoreBatches:
         self._claims: list[tuple[str, str, asyncio.Future[object]]] = []
         self._finishes: list[tuple[str, str, bool, asyncio.Future[object]]] = []
         self._busy = False
+        self._task: asyncio.Future[None] | None = None
 
     def claim(self, key: str, owner: str) -> asyncio.Future[object]:
         future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
@@ -617,8 +618,8 @@ class _StoreBatches:
             asyncio.get_running_loop().call_soon(self._start)
 
     def _start(self) -> None:
-        task = asyncio.ensure_future(self._run())
-        task.add_done_callback(lambda _t: None)
+        # The loop keeps only weak references to tasks: hold this one until it ends.
+        self._task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
         try:

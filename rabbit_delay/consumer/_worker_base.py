@@ -206,7 +206,7 @@ class WorkerBase:
     def log_stopped(self) -> None:
         """The last line of a worker that consumed; one that never started has said why
         in the exception its run() raised."""
-        if self.stats.received or self.ever_started:
+        if self.ever_started:
             log.info("worker %s stopped: %s", self.identity, self.stats.as_dict())
 
     def lease_lost(self, key: str, owner: str) -> None:

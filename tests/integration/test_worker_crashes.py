@@ -34,11 +34,10 @@ from conftest import delete_topology, message_count, unique_namespace, wait_for
 from rabbit_delay.sync import Publisher, connect, declare
 from rabbit_delay.topology import Topology, load_topology
 
-from .workers.harness import KINDS
+from .workers.harness import KINDS, start_cli_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-WORKERS_DIR = Path(__file__).resolve().parent / "workers"
 QUEUE = "orders.cancel"
 START_S = 20.0  # a worker process: import, connect, declare-check, consume
 EXIT_S = 20.0
@@ -164,39 +163,9 @@ class Workers:
     ) -> WorkerProcess:
         with self._lock:
             output = self.tmp_path / f"worker-{len(self.started)}.out"
-            environment = {
-                **os.environ,
-                "RD_TEST_TOPOLOGY": str(topology_file),
-                "RD_TEST_LOG": str(log),
-                "RD_TEST_ASYNC": "1" if kind == "async" else "0",
-                "PYTHONUNBUFFERED": "1",
-                **env,
-            }
-            command = [
-                sys.executable,
-                "-c",
-                "from rabbit_delay.cli import main; main()",
-                "worker",
-                f"{module}:app",
-                "--app-dir",
-                str(WORKERS_DIR),
-                "--transport",
-                kind,
-                "--url",
-                self.url,
-                "--log-level",
-                "info",
-                *args,
-            ]
-            with output.open("wb") as sink:
-                proc = subprocess.Popen(
-                    command,
-                    env=environment,
-                    cwd=cwd,
-                    stdout=sink,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                )
+            proc = start_cli_worker(
+                kind, module, topology_file, log, self.url, output, *args, cwd=cwd, **env
+            )
             worker = WorkerProcess(proc, output)
             self.started.append(worker)
             return worker

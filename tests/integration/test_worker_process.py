@@ -25,11 +25,10 @@ from conftest import message_count, wait_for
 from rabbit_delay.sync import Publisher, connect, declare
 from rabbit_delay.topology import Topology
 
-from .workers.harness import HANDLER_KINDS, KINDS, transport
+from .workers.harness import HANDLER_KINDS, KINDS, WORKERS_DIR, start_cli_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-WORKERS_DIR = Path(__file__).resolve().parent / "workers"
 QUEUE = "orders.cancel"
 EXIT_S = 20.0
 FORCED_EXIT_S = 5.0  # from a second SIGTERM to the process gone: no handler waited for
@@ -105,38 +104,17 @@ def spawn(broker_url: str, tmp_path: Path) -> Iterator[Callable[..., WorkerProce
         """`kind` is one of HANDLER_KINDS: "async-def" runs the `def` handler on the
         async worker."""
         output = tmp_path / f"worker-{len(started)}.out"
-        environment = {
-            **os.environ,
-            "RD_TEST_TOPOLOGY": str(topology_file),
-            "RD_TEST_LOG": str(log),
-            "RD_TEST_ASYNC": "1" if kind == "async" else "0",
-            "PYTHONUNBUFFERED": "1",
-            **env,
-        }
-        command = [
-            sys.executable,
-            "-c",
-            "from rabbit_delay.cli import main; main()",
-            "worker",
-            "crash_app:app",
-            "--app-dir",
-            str(WORKERS_DIR),
-            "--transport",
-            transport(kind),
-            "--url",
+        proc = start_cli_worker(
+            kind,
+            "crash_app",
+            topology_file,
+            log,
             broker_url,
-            "--log-level",
-            "debug",
+            output,
             *args,
-        ]
-        with output.open("wb") as sink:
-            proc = subprocess.Popen(
-                command,
-                env=environment,
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
+            log_level="debug",
+            **env,
+        )
         worker = WorkerProcess(proc, output)
         started.append(worker)
         return worker

@@ -16,6 +16,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -23,6 +26,7 @@ import urllib.request
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -266,3 +270,57 @@ def close_connections(endpoint: ManagementEndpoint, names: list[str]) -> None:
         except urllib.error.HTTPError as exc:
             if exc.code != 404:
                 raise
+
+
+WORKERS_DIR = Path(__file__).resolve().parent
+
+
+def start_cli_worker(
+    kind: str,
+    module: str,
+    topology_file: Path,
+    log: Path,
+    url: str,
+    output: Path,
+    *args: str,
+    log_level: str = "info",
+    cwd: Path | None = None,
+    **env: str,
+) -> subprocess.Popen[bytes]:
+    """`rabbit-delay worker <module>:app` from this directory, as a process of its own:
+    `kind` is one of HANDLER_KINDS ("async-def": the `def` handler on the async worker);
+    stdout and stderr go to `output`. The apps read RD_TEST_TOPOLOGY, RD_TEST_LOG and
+    RD_TEST_ASYNC."""
+    environment = {
+        **os.environ,
+        "RD_TEST_TOPOLOGY": str(topology_file),
+        "RD_TEST_LOG": str(log),
+        "RD_TEST_ASYNC": "1" if kind == "async" else "0",
+        "PYTHONUNBUFFERED": "1",
+        **env,
+    }
+    command = [
+        sys.executable,
+        "-c",
+        "from rabbit_delay.cli import main; main()",
+        "worker",
+        f"{module}:app",
+        "--app-dir",
+        str(WORKERS_DIR),
+        "--transport",
+        transport(kind),
+        "--url",
+        url,
+        "--log-level",
+        log_level,
+        *args,
+    ]
+    with output.open("wb") as sink:
+        return subprocess.Popen(
+            command,
+            env=environment,
+            cwd=cwd,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
