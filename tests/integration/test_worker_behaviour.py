@@ -529,6 +529,9 @@ def test_graceful_stop_finishes_in_flight_handlers_and_hands_back_the_rest(
     publish(broker_url, topology, *({"order_id": n} for n in range(20, 24)))
 
     calls.wait_started(2)
+    # The other 2 must have reached the worker (prefetched) before the stop, else they
+    # simply stay in the queue and nothing is handed back.
+    wait_for(lambda: worker.stats.received == 4, 10, "all 4 delivered to the worker")
     worker.stop()  # what SIGINT / SIGTERM do
 
     assert len(calls.finished) == len(calls.started) == 2  # in flight: finished, acked
