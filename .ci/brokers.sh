@@ -117,10 +117,16 @@ setup() {
     exec 9>"$RD_BROKERS_DIR/setup-$version.lock"
     flock 9  # two setups of one version at once: the second waits, then finds it ready
     [ -f "$base/ready" ] && return 0
-    if ! command -v debootstrap >/dev/null; then
-        say "installing debootstrap"
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
-    fi
+    # The setups of 4.0 and 4.3 run in parallel: one host apt-get at a time (dpkg's own
+    # lock fails the second at once), and apt waits for any other dpkg user.
+    (
+        flock 8
+        if ! command -v debootstrap >/dev/null; then
+            say "installing debootstrap"
+            DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
+                debootstrap >/dev/null
+        fi
+    ) 8>"$RD_BROKERS_DIR/host-apt.lock" || die "apt-get install debootstrap failed"
     umount_root "$root" 2>/dev/null || true
     rm -rf "$root"
     mkdir -p "$base"

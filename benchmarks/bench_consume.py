@@ -289,6 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--messages", type=int, default=None)
     parser.add_argument("--url", default=None, help="AMQP URL ($RABBIT_DELAY_URL, else local)")
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated contenders to run (with their baselines), e.g. sync-sqlite",
+    )
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
     rounds = args.rounds or sizes.rounds
@@ -332,6 +337,17 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         log(f"Redis at {redact(redis_url)} unreachable: the Redis guard is not measured")
+    if args.only:
+        wanted = {name.strip() for name in args.only.split(",") if name.strip()}
+        unknown = wanted - set(contenders)
+        if unknown:
+            parser.error(f"unknown contender(s) {sorted(unknown)}; known: {sorted(contenders)}")
+        while True:  # each contender's baseline, and the baseline's
+            more = {BASELINE[name] for name in wanted} - wanted
+            if not more:
+                break
+            wanted |= more
+        contenders = {name: run for name, run in contenders.items() if name in wanted}
     samples: dict[str, list[float]] = {name: [] for name in contenders}
     log(
         f"{n} messages x {rounds} rounds per contender, {args.queue_type} queue, "

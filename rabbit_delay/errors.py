@@ -4,14 +4,18 @@
     ├── ConfigError (ValueError)            what the user wrote is wrong
     │   ├── DurationError                   "5x", "-3s", a delay too long
     │   └── TopologyError                   a topology file or model that does not validate
-    ├── PublishError                        nothing was confirmed as sent
+    ├── PublishError                        not (provably) confirmed; `message_ids` names them
     │   ├── DelayError (ValueError)         unknown tier, delay that matches no tier, bad `at=`
     │   ├── UnknownTargetError (ValueError) queue or routing key absent from the topology
     │   ├── EncodeError (ValueError)        a message that cannot be turned into bytes
     │   ├── UnroutableError                 returned by the broker under `mandatory`
-    │   └── NackError                       the broker refused responsibility (basic.nack)
+    │   ├── NackError                       the broker refused responsibility (basic.nack)
+    │   └── UnconfirmedError                connection lost / broker blocked past the deadline:
+    │       └── BrokerBlocked               exactly the ids with no confirm; safe to re-send
     ├── BrokerError                         the broker said no, or is not there
-    │   ├── BrokerUnavailable (ConnectionError)
+    │   ├── BrokerUnavailable (ConnectionError)   cannot connect to any of the URLs
+    │   │   └── ConnectionLost              an open connection or channel was lost
+    │   ├── AccessRefused (PermissionError) 403 / 530: the user lacks a permission
     │   ├── DeclarationConflict             406: an object exists with other arguments
     │   ├── MissingObjectError              404: a queue or exchange the code relies on is absent
     │   ├── MissingPluginError              unknown exchange type 'x-delayed-message'
@@ -25,6 +29,7 @@ signals, not failures of the library.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -46,7 +51,15 @@ class TopologyError(ConfigError):
 
 
 class PublishError(RabbitDelayError):
-    """A message was not (or not provably) handed over to the broker."""
+    """A message was not (or not provably) handed over to the broker.
+
+    `message_ids` names the messages concerned when known (empty for bad input refused
+    before anything was sent: then nothing of the call was sent).
+    """
+
+    def __init__(self, message: str, *, message_ids: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.message_ids = tuple(message_ids)
 
 
 class DelayError(PublishError, ValueError):
@@ -74,17 +87,30 @@ class UnroutableError(PublishError):
         message_ids: Sequence[str] = (),
         replies: Mapping[str, str] | None = None,
     ) -> None:
-        super().__init__(message)
-        self.message_ids = tuple(message_ids)
+        super().__init__(message, message_ids=message_ids)
         self.replies = dict(replies or {})
 
 
 class NackError(PublishError):
     """The broker nacked the publish: it did not take responsibility for it."""
 
-    def __init__(self, message: str, *, message_ids: Sequence[str] = ()) -> None:
-        super().__init__(message)
-        self.message_ids = tuple(message_ids)
+
+class UnconfirmedError(PublishError):
+    """No confirm came for `message_ids` within the publisher's deadline (the connection
+    or channel was lost and could not be recovered in time, or the broker blocked
+    publishing). Each may or may not have reached the broker: publish them again with
+    the same message_id (consumers' guards absorb the duplicate). Every id of the call
+    that is not named here was confirmed."""
+
+
+class BrokerBlocked(UnconfirmedError):
+    """The broker blocked publishing (a memory or disk alarm) for longer than the
+    publisher's `blocked_timeout`. `reason` is what the broker said (e.g. "low on
+    memory")."""
+
+    def __init__(self, message: str, *, message_ids: Sequence[str] = (), reason: str = "") -> None:
+        super().__init__(message, message_ids=message_ids)
+        self.reason = reason
 
 
 class BrokerError(RabbitDelayError):
@@ -93,6 +119,25 @@ class BrokerError(RabbitDelayError):
 
 class BrokerUnavailable(BrokerError, ConnectionError):
     """No connection to the broker (the URL in the message is redacted)."""
+
+
+class ConnectionLost(BrokerUnavailable):
+    """A connection or channel that was open was lost (broker restart, network cut,
+    connection forced closed): the operation did not complete; retrying it on a new
+    connection is safe for idempotent operations."""
+
+
+class AccessRefused(BrokerError, PermissionError):
+    """The broker refused the user (AMQP 403 ACCESS_REFUSED, 530 NOT_ALLOWED).
+
+    `permission` is the permission the operation needed ("configure", "write" or
+    "read"; "" when not known) and `resource` the object refused ("" when not known).
+    """
+
+    def __init__(self, message: str, *, permission: str = "", resource: str = "") -> None:
+        super().__init__(message)
+        self.permission = permission
+        self.resource = resource
 
 
 @dataclass(frozen=True)
@@ -150,3 +195,46 @@ class IncompatibleBroker(BrokerError):
 
 class DecodeError(RabbitDelayError, ValueError):
     """A delivered message cannot be decoded or validated."""
+
+
+# -- the one decision behind both transports' exception maps (sync/_errors.py,
+#    aio/_errors.py): what a broker's close reply means. Pure. --------------------------
+
+_RESOURCE = re.compile(r"(?:access to |no )(?P<what>(?:queue|exchange|vhost) '[^']*')")
+
+
+def broker_refusal(
+    code: int | None,
+    text: str | None,
+    *,
+    doing: str,
+    permission: str = "",
+    connection: bool = False,
+) -> BrokerError:
+    """The error for a channel (or, with `connection=True`, a connection) the broker
+    closed with `code`/`text` while `doing` (e.g. "publishing to exchange 'x'").
+
+    `permission` is what `doing` needs ("configure", "write" or "read"): a 403 names it
+    and how to grant it.
+    """
+    reply = f"{code} {text}" if code is not None else str(text or "closed")
+    text = text or ""
+    if code in (403, 530) or "ACCESS_REFUSED" in text or "NOT_ALLOWED" in text:
+        found = _RESOURCE.search(text)
+        resource = found["what"] if found else ""
+        need = f"; the user needs {permission!r} permission" if permission else ""
+        on = f" on {resource}" if resource and permission else ""
+        return AccessRefused(
+            f"refused by the broker while {doing}: {reply}{need}{on} "
+            "(see docs/security.md for each role's permissions)",
+            permission=permission,
+            resource=resource,
+        )
+    if code == 404:
+        return MissingObjectError(
+            f"{reply} (while {doing}); run `rabbit-delay declare` to create the topology"
+        )
+    if connection or code in (320, 541):
+        # 320 CONNECTION_FORCED: closed by an operator or a node shutting down
+        return ConnectionLost(f"connection closed by the broker while {doing}: {reply}")
+    return BrokerError(f"closed by the broker while {doing}: {reply}")
