@@ -312,7 +312,7 @@ def run_rates(backends: list[Backend], sizes: Sizes, log: Callable[[str], None])
     """Many short rounds, the backends side by side in each (order alternating), so that
     both see the same broker load: the machine is shared and its load drifts by the second."""
     live = [b for b in backends if not b.error]
-    publishers = {b.name: Publisher(b.topology, b.url) for b in live}
+    publishers = {b.name: Publisher.connect(b.topology, b.url) for b in live}
     try:
         for b in live:  # warm-up: connections, code paths; not measured
             publishers[b.name].publish_outgoing([b.prepare(publishers[b.name]) for _ in range(50)])

@@ -153,7 +153,7 @@ class SyncContenders:
         self.raw_conn = pika.BlockingConnection(pika.URLParameters(url))
         self.raw_ch = self.raw_conn.channel()
         self.raw_ch.confirm_delivery()
-        self.publisher = Publisher(topology, url)
+        self.publisher = Publisher.connect(topology, url)
 
     def raw_pika_single(self, n: int) -> None:
         ch, body, exchange, key = self.raw_ch, self.body, self.exchange, self.key

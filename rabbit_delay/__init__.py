@@ -11,10 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 from rabbit_delay.durations import format_ms, parse_ms
 from rabbit_delay.errors import (
+    AccessRefused,
     ArgumentConflict,
+    BrokerBlocked,
     BrokerError,
     BrokerUnavailable,
     ConfigError,
+    ConnectionLost,
     DeclarationConflict,
     DecodeError,
     DelayError,
@@ -28,6 +31,7 @@ from rabbit_delay.errors import (
     PublishError,
     RabbitDelayError,
     TopologyError,
+    UnconfirmedError,
     UnknownTargetError,
     UnroutableError,
 )
@@ -42,11 +46,14 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccessRefused",
     "ArgumentConflict",
     "AsyncPublisher",
+    "BrokerBlocked",
     "BrokerError",
     "BrokerUnavailable",
     "ConfigError",
+    "ConnectionLost",
     "DeclarationConflict",
     "DecodeError",
     "DelayError",
@@ -64,6 +71,7 @@ __all__ = [
     "RabbitDelayError",
     "Topology",
     "TopologyError",
+    "UnconfirmedError",
     "UnknownTargetError",
     "UnroutableError",
     "format_ms",

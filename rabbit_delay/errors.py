@@ -201,6 +201,9 @@ class DecodeError(RabbitDelayError, ValueError):
 #    aio/_errors.py): what a broker's close reply means. Pure. --------------------------
 
 _RESOURCE = re.compile(r"(?:access to |no )(?P<what>(?:queue|exchange|vhost) '[^']*')")
+# RabbitMQ names the permission it checked: "write access to queue 'q' in vhost ..."
+_PERMISSION = re.compile(r"\b(?P<permission>configure|write|read) access to ")
+_USE = ("read", "write")
 
 
 def broker_refusal(
@@ -222,6 +225,13 @@ def broker_refusal(
     if code in (403, 530) or "ACCESS_REFUSED" in text or "NOT_ALLOWED" in text:
         found = _RESOURCE.search(text)
         resource = found["what"] if found else ""
+        stated = _PERMISSION.search(text)
+        # The broker's word wins (a bind needs write on one side, read on the other),
+        # except "configure" for an operation that needs read or write: that is a
+        # passive declare, which RabbitMQ 4.3 refuses in those words to a user with no
+        # permission at all on the object, though any one of the three passes it.
+        if stated and not (stated["permission"] == "configure" and permission in _USE):
+            permission = stated["permission"]
         need = f"; the user needs {permission!r} permission" if permission else ""
         on = f" on {resource}" if resource and permission else ""
         return AccessRefused(

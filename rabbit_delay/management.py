@@ -5,50 +5,141 @@ state, and by `status` and `replay --dry-run`. The API is used only once it is s
 serve the same broker as the AMQP connection (`checked`): its cluster name equals the
 one the broker sent in `connection.start`, and it knows the vhost. Otherwise, or when it
 does not answer, callers fall back to AMQP (passive declarations) and say why.
+
+Over https the server's certificate is verified like the AMQP connection's, with the
+same CA (and client certificate) as the AMQP URL's TLS options, or the management URL's
+own query (`https://host:15671?cafile=...`): never without verification.
+
+When the API refuses the user (docs/security.md):
+  - the user has no `management` / `monitoring` tag (HTTP 401 "Not management user",
+    or a 403): the usual state of a least-privilege user. Callers fall back to AMQP and
+    say why, once (the CLI's note, a log line);
+  - the login itself fails (HTTP 401, any other reason): an error (`AccessRefused`)
+    for a management URL the user named; for an address derived from the AMQP URL, whose
+    credentials the broker just accepted over AMQP, it is not that broker's API: a wrong
+    guess, skipped like one that does not answer, and said so;
+  - a request needs a vhost permission the user lacks (401 "ACCESS_REFUSED ..."):
+    `AccessRefused` naming it (e.g. peeking a parking lot needs `read`).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import logging
 import ssl
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 from urllib.parse import quote
 
 from rabbit_delay.broker import BrokerInfo
-from rabbit_delay.errors import ManagementUnavailable
+from rabbit_delay.errors import AccessRefused, ManagementUnavailable, broker_refusal
 from rabbit_delay.plan import ExistingObject, Observed
+from rabbit_delay.tls import TLSOptions, describe_tls_error
 from rabbit_delay.topology import Topology
-from rabbit_delay.urls import ManagementEndpoint
+from rabbit_delay.urls import ManagementEndpoint, redact
+
+log = logging.getLogger(__name__)
 
 TIMEOUT_S = 5.0
+# The 401 reason RabbitMQ gives a user without the management/monitoring tag (3.x and 4.x).
+NOT_MANAGEMENT_USER = "Not management user"
+NO_TAG_FIX = (
+    "least-privilege users normally have none; give the user the `monitoring` tag "
+    "(`rabbitmqctl set_user_tags USER monitoring`), or pass --management-url with a user "
+    "that has one, or --no-management"
+)
 
 
-def get_json(endpoint: ManagementEndpoint, path: str, body: Any = None) -> Any:
-    """GET `path`, or POST `body` as JSON to it when given."""
+class Refusal(StrEnum):
+    LOGIN = "login"  # the user name or password is wrong for this API
+    NO_TAG = "no tag"  # the user may not use the API at all (no management tag)
+
+
+class ManagementRefused(ManagementUnavailable):
+    """The management API refused the user (HTTP 401 / 403); `refusal` says how."""
+
+    def __init__(self, message: str, *, refusal: Refusal, status: int) -> None:
+        super().__init__(message)
+        self.refusal = refusal
+        self.status = status
+
+
+def _context(endpoint: ManagementEndpoint) -> ssl.SSLContext | None:
+    """A verifying context for https (the endpoint's CA, else the system's); None for
+    http. Raises ConfigError for a CA or certificate file that cannot be used."""
+    if not endpoint.base.lower().startswith("https"):
+        return None
+    return (endpoint.tls or TLSOptions()).context()
+
+
+def _reason(exc: urllib.error.HTTPError) -> str:
+    """The `reason` of RabbitMQ's JSON error body, else the HTTP reason phrase."""
+    try:
+        body = json.loads(exc.read() or b"{}")
+    except (ValueError, OSError):
+        body = {}
+    reason = body.get("reason") if isinstance(body, dict) else None
+    return str(reason or exc.reason or "")
+
+
+def _refused(
+    endpoint: ManagementEndpoint, status: int, reason: str, *, doing: str, permission: str
+) -> Exception:
+    where = f"the management API at {redact(endpoint.base)}"
+    if reason.startswith("ACCESS_REFUSED"):
+        return broker_refusal(403, reason, doing=f"{doing} via {where}", permission=permission)
+    if status == 403 or reason in (NOT_MANAGEMENT_USER, "Not administrator user"):
+        return ManagementRefused(
+            f"{where}: user {endpoint.username!r} may not use it (HTTP {status}: {reason}); it "
+            f"needs the `management` or `monitoring` tag: {NO_TAG_FIX}",
+            refusal=Refusal.NO_TAG,
+            status=status,
+        )
+    return ManagementRefused(
+        f"{where} refused the login of user {endpoint.username!r} (HTTP {status}: {reason})",
+        refusal=Refusal.LOGIN,
+        status=status,
+    )
+
+
+def get_json(
+    endpoint: ManagementEndpoint,
+    path: str,
+    body: Any = None,
+    *,
+    doing: str = "reading",
+    permission: str = "",
+) -> Any:
+    """GET `path`, or POST `body` as JSON to it when given.
+
+    Raises ManagementUnavailable (no answer, TLS failure, HTTP error), ManagementRefused
+    (the user was refused, see the module docstring), AccessRefused (a vhost permission
+    the request needs, `permission`, is missing) or ConfigError (an unusable CA file).
+    """
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(endpoint.url(path), data=data)
     if data is not None:
         request.add_header("Content-Type", "application/json")
     token = base64.b64encode(f"{endpoint.username}:{endpoint.password}".encode()).decode()
     request.add_header("Authorization", f"Basic {token}")
-    context = ssl.create_default_context() if endpoint.base.startswith("https") else None
+    context = _context(endpoint)
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT_S, context=context) as response:
             return json.load(response)
     except urllib.error.HTTPError as exc:
         if exc.code in (401, 403):
-            raise ManagementUnavailable(
-                f"{endpoint.base}: user {endpoint.username!r} is not allowed to use the "
-                f"management API (HTTP {exc.code}; it needs the `monitoring` or `management` tag)"
+            raise _refused(
+                endpoint, exc.code, _reason(exc), doing=doing, permission=permission
             ) from None
         raise ManagementUnavailable(f"{endpoint.base}: HTTP {exc.code} {exc.reason}") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise ManagementUnavailable(f"{endpoint.base}: {exc}") from None
+        why = describe_tls_error(exc) or str(exc)
+        raise ManagementUnavailable(redact(f"{endpoint.base}: {why}")) from None
 
 
 def verify_same_broker(endpoint: ManagementEndpoint, broker: BrokerInfo) -> str:
@@ -70,9 +161,17 @@ def verify_same_broker(endpoint: ManagementEndpoint, broker: BrokerInfo) -> str:
             f"{endpoint.base} serves another broker (cluster {cluster!r}, the AMQP connection's "
             f"is {broker.cluster_name!r}): pass the right --management-url"
         )
-    vhost = get_json(endpoint, f"vhosts/{endpoint.vhost_quoted}")
-    if not isinstance(vhost, dict) or vhost.get("name") != endpoint.vhost:
-        raise ManagementUnavailable(f"{endpoint.base}: vhost {endpoint.vhost!r} not found")
+    # The list, not /api/vhosts/NAME: that one is for administrators only (3.10 to 4.3);
+    # the list shows a management or monitoring user the vhosts it may use.
+    vhosts = get_json(endpoint, "vhosts?columns=name")
+    names = (
+        {v.get("name") for v in vhosts if isinstance(v, dict)} if isinstance(vhosts, list) else ()
+    )
+    if endpoint.vhost not in names:
+        raise ManagementUnavailable(
+            f"{endpoint.base}: vhost {endpoint.vhost!r} not found (or user "
+            f"{endpoint.username!r} has no permissions on it)"
+        )
     return broker.cluster_name
 
 
@@ -90,18 +189,42 @@ class Access:
 
 def checked(endpoints: Sequence[ManagementEndpoint], broker: BrokerInfo) -> Access:
     """The first of `endpoints` that provably serves `broker` (see verify_same_broker),
-    else None with the reasons; None with "not used" when none was given."""
+    else None with the reasons; None with "not used" when none was given.
+
+    Raises AccessRefused when a management URL the user named (`endpoint.explicit`)
+    refuses the login: wrong credentials are an error, not a reason to fall back.
+    """
     if not endpoints:
         return Access(None, "not used (--no-management)")
     reasons = []
     for endpoint in endpoints:
         try:
             cluster = verify_same_broker(endpoint, broker)
+        except ManagementRefused as exc:
+            if exc.refusal is Refusal.LOGIN and endpoint.explicit:
+                raise AccessRefused(
+                    f"{exc}: the user name or password is wrong for this API. Give "
+                    "credentials it accepts in --management-url (or "
+                    "$RABBIT_DELAY_MANAGEMENT_URL), e.g. https://USER:PASSWORD@HOST:15671, "
+                    "or pass --no-management to use AMQP only",
+                    permission="management login",
+                ) from None
+            if exc.refusal is Refusal.LOGIN:
+                # The broker accepted these credentials over AMQP: not its API.
+                reasons.append(
+                    f"{exc} with the AMQP URL's credentials, so it is not that broker's API "
+                    "(or it authenticates differently): pass --management-url"
+                )
+            else:
+                reasons.append(str(exc))
+            continue
         except ManagementUnavailable as exc:
             reasons.append(str(exc))
             continue
         return Access(endpoint, f"{endpoint.base} (same broker: cluster {cluster!r})")
-    return Access(None, "not used: " + "; ".join(reasons))
+    note = "not used: " + "; ".join(reasons)
+    log.info("management API %s", redact(note))
+    return Access(None, note)
 
 
 def read_observed(endpoint: ManagementEndpoint, prefix: str) -> Observed:
@@ -178,11 +301,14 @@ def peek_messages(endpoint: ManagementEndpoint, queue: str, count: int) -> list[
     `ackmode=ack_requeue_true`); payloads truncated to 1 KiB.
 
     Each get-and-requeue is a redelivery for the broker: on RabbitMQ 4.0-4.2 it counts
-    towards a quorum queue's delivery limit. Raises ManagementUnavailable.
+    towards a quorum queue's delivery limit. Raises ManagementUnavailable, or
+    AccessRefused when the user lacks `read` permission on the queue.
     """
     body = {"count": count, "ackmode": "ack_requeue_true", "encoding": "auto", "truncate": 1024}
     path = f"queues/{endpoint.vhost_quoted}/{quote(queue, safe='')}/get"
-    messages = get_json(endpoint, path, body)
+    messages = get_json(
+        endpoint, path, body, doing=f"peeking into queue {queue!r}", permission="read"
+    )
     if not isinstance(messages, list):
         raise ManagementUnavailable(f"{endpoint.base}: unexpected answer")
     return messages

@@ -33,6 +33,7 @@ from rabbit_delay.errors import (
     EncodeError,
     MissingObjectError,
     NackError,
+    UnconfirmedError,
     UnknownTargetError,
     UnroutableError,
 )
@@ -62,7 +63,7 @@ class PublishErrorReason(StrEnum):
     NACK = "nack"  # the broker refused responsibility
     MISSING_OBJECT = "missing_object"  # 404: the exchange does not exist
     INVALID = "invalid"  # refused before sending: tier, delay, target, encoding
-    BROKER = "broker"  # connection or channel failure
+    BROKER = "broker"  # connection or channel failure, no confirm in time, broker blocked
     OTHER = "other"
 
 
@@ -76,7 +77,7 @@ def error_reason(exc: BaseException) -> PublishErrorReason:
         return PublishErrorReason.MISSING_OBJECT
     if isinstance(exc, DelayError | UnknownTargetError | EncodeError):
         return PublishErrorReason.INVALID
-    if isinstance(exc, BrokerError | ConnectionError):
+    if isinstance(exc, BrokerError | ConnectionError | UnconfirmedError):
         return PublishErrorReason.BROKER
     return PublishErrorReason.OTHER
 

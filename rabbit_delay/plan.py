@@ -437,6 +437,17 @@ def describe(op: Operation) -> str:
     return f"{type(op).__name__.lower()} {op.spec.kind.value} {op.spec.name!r}"
 
 
+def permission(op: Operation) -> str:
+    """The permission an operation needs, named in an access refusal (RabbitMQ's own
+    reply text, when it names one, wins: a bind needs write on its destination and read
+    on its source, the routing probe all three on a temporary queue)."""
+    if isinstance(op, Exists):
+        return ""  # a passive declare needs no permission
+    if isinstance(op, Bind):
+        return "write"
+    return "configure"
+
+
 # -- what the broker's version can do ---------------------------------------------------
 
 

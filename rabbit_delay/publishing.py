@@ -1,22 +1,38 @@
-"""The publisher logic both transports share: validate, route, encode. No I/O."""
+"""The publisher logic both transports share: the arguments, validation, routing and
+encoding of a publish, the options and lifecycle rules of a publisher, how a call ends
+(its ids, or the one error naming exactly the ids concerned) and the metrics. No I/O.
+
+The ledger of confirms, the recovery deadline and the blocked rule are in
+`rabbit_delay._confirms`; `sync/publisher.py` (pika) and `aio/publisher.py` (aio-pika)
+only send, wait and reconnect as told.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from rabbit_delay import names as h
+from rabbit_delay._confirms import (
+    DEFAULT_BLOCKED_TIMEOUT_S,
+    DEFAULT_RECOVERY_TIMEOUT_S,
+    WORKER_BLOCKED_TIMEOUT_S,
+    Ledger,
+    Recovery,
+    State,
+    confirm_failure,
+    seconds,
+)
+from rabbit_delay.connection import ConnectionSettings
 from rabbit_delay.delays import Route, Router
-from rabbit_delay.durations import parse_ms
+from rabbit_delay.durations import DurationLike, parse_ms
 from rabbit_delay.errors import (
+    ConfigError,
     DelayError,
     DurationError,
-    NackError,
-    PublishError,
     RabbitDelayError,
-    UnroutableError,
 )
 from rabbit_delay.message import (
     Body,
@@ -31,60 +47,127 @@ from rabbit_delay.topology import Topology
 if TYPE_CHECKING:
     from rabbit_delay.metrics import Metrics
 
+__all__ = [
+    "BLOCKED_BACKSTOP_S",
+    "DEFAULT_WINDOW",
+    "WORKER_BLOCKED_TIMEOUT_S",
+    "DelayLike",
+    "PublisherCore",
+    "PublisherOptions",
+    "URLs",
+    "confirm_failure",
+]
+
 DelayLike = timedelta | int | float
+DEFAULT_WINDOW = 256
+# pika closes a connection blocked this much longer than the publisher's blocked_timeout:
+# a backstop for a wait that cannot end by itself (a socket buffer full of unread data).
+BLOCKED_BACKSTOP_S = 2.0
+URLs = str | Sequence[str]
 
 
-def confirm_failure(returned: Mapping[str, str], nacked: Sequence[str]) -> PublishError | None:
-    """The one error for publishes the broker returned (message_id -> reply text) or
-    nacked, or None. Returned ones win: they need the topology fixed, a nack only a retry.
-    """
-    if returned:
-        reasons = ", ".join(sorted(set(returned.values())))
-        return UnroutableError(
-            f"{len(returned)} message(s) returned by the broker ({reasons}): no queue is bound "
-            "for them; check the topology is declared (`rabbit-delay plan`)",
-            message_ids=list(returned),
-            replies=returned,
-        )
-    if nacked:
-        return NackError(
-            f"{len(nacked)} message(s) nacked by the broker; publish them again",
-            message_ids=list(nacked),
-        )
-    return None
+class PublisherOptions(TypedDict, total=False):
+    """The keyword options of both publishers (`__init__` and `connect`); see
+    docs/publishing.md."""
+
+    settings: ConnectionSettings | None
+    window: int
+    metrics: Metrics | None
+    recovery_timeout: DurationLike
+    blocked_timeout: DurationLike | None
 
 
 class PublisherCore:
-    """Turns `publish_delayed` arguments into an `Outgoing` message, or refuses them.
+    """What both publishers decide: options, `publish_delayed` / `publish_many`
+    arguments turned into `Outgoing` messages (or refused), how a call ends, metrics.
 
-    The sync and async publishers inherit this and only move bytes.
+    The sync and async publishers inherit this and only send, wait and reconnect.
     """
 
-    def __init__(self, topology: Topology, *, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        url: URLs | None = None,
+        *,
+        borrowed: bool = False,
+        settings: ConnectionSettings | None = None,
+        window: int = DEFAULT_WINDOW,
+        metrics: Metrics | None = None,
+        recovery_timeout: DurationLike = DEFAULT_RECOVERY_TIMEOUT_S,
+        blocked_timeout: DurationLike | None = None,
+    ) -> None:
+        if borrowed and url is not None:
+            raise ConfigError(
+                "give either a url (the publisher opens and owns its connection) or "
+                "connection= (it publishes on yours), not both"
+            )
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ConfigError(f"window must be a whole number of at least 1, got {window!r}")
         self.topology = topology
         self.router = Router(topology)
         self.metrics = metrics
+        self.url = url
+        self.settings = settings
+        self.window = window
+        # A borrowed connection is its owner's to reconnect: the publisher only raises.
+        self.owns_connection = not borrowed
+        self.recovery_timeout_s = seconds(recovery_timeout, "recovery_timeout")
+        if blocked_timeout is None:
+            blocked_timeout = (
+                settings.blocked_timeout_s if settings is not None else DEFAULT_BLOCKED_TIMEOUT_S
+            )
+        self.blocked_timeout_s = seconds(blocked_timeout, "blocked_timeout")
 
-    def record(self, outs: Sequence[Outgoing], error: RabbitDelayError | None = None) -> None:
-        """Count a batch in the metrics, by target and tier: the ids an error names (all
-        of them when it names none: nothing is known to be confirmed) as failed, the rest
-        as published. A no-op without metrics."""
+    # -- one call --------------------------------------------------------------------------
+
+    def ledger(self, messages: Iterable[Outgoing]) -> Ledger:
+        return Ledger(list(messages))
+
+    def recovery(self) -> Recovery:
+        backoff = (self.settings or ConnectionSettings()).backoff
+        return Recovery(self.recovery_timeout_s, backoff.delays)
+
+    def finish(self, ledger: Ledger, error: RabbitDelayError | None = None) -> list[str]:
+        """The end of a call: its ids once every message is confirmed; else the one
+        error (UnroutableError / NackError / UnconfirmedError / BrokerBlocked naming
+        exactly the ids concerned, or a refusal such as AccessRefused), counted in the
+        metrics either way."""
+        failure = ledger.failure() if error is None else ledger.error_for(error)
+        self.record(ledger, failure)
+        if failure is not None:
+            raise failure
+        return [o.message_id for o in ledger.outs]
+
+    def record(self, ledger: Ledger, error: RabbitDelayError | None = None) -> None:
+        """Count a call in the metrics, by target and tier: confirmed messages as
+        published, every other one as failed with `error`. A no-op without metrics."""
         metrics = self.metrics
         if metrics is None:
             return
-        failed: set[str] = set()
-        if error is not None:
-            named = getattr(error, "message_ids", ())
-            failed = set(named) if named else {o.message_id for o in outs}
         sent: Counter[tuple[str, str]] = Counter()
-        for out in outs:
+        for out, state in zip(ledger.outs, ledger.states, strict=True):
             target = str(out.headers[h.H_TARGET])
-            if out.message_id in failed and error is not None:
-                metrics.publish_error(target, error)
-            else:
+            if state is State.CONFIRMED or error is None:
                 sent[(target, str(out.headers[h.H_TIER]))] += 1
+            else:
+                metrics.publish_error(target, error)
         for (target, tier), count in sent.items():
             metrics.published(target, tier, count)
+
+    def prepare_many(
+        self,
+        messages: Iterable[Body],
+        tier: str | None = None,
+        *,
+        queue: str | None = None,
+        routing_key: str | None = None,
+        delay: DelayLike | None = None,
+        at: datetime | None = None,
+    ) -> list[Outgoing]:
+        """Validate and encode every message (one target and delay) before any is sent."""
+        now = now_ms()
+        route = self.route(tier, queue=queue, routing_key=routing_key, delay=delay, at=at, now=now)
+        return [self.outgoing(route, *encode_body(m), now) for m in messages]
 
     def route(
         self,

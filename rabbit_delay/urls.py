@@ -1,11 +1,16 @@
-"""Broker URLs: defaults, redaction, the management API address. Pure."""
+"""Broker URLs: defaults, lists of several brokers, redaction, the management API
+address. Pure."""
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
+
+from rabbit_delay.errors import ConfigError
+from rabbit_delay.tls import TLSOptions, split_tls
 
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 URL_ENV = "RABBIT_DELAY_URL"
@@ -15,8 +20,66 @@ MANAGEMENT_URL_ENV = "RABBIT_DELAY_MANAGEMENT_URL"
 _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:/\s]*):(?P<pw>[^/\s]*)@")
 
 
-def broker_url(explicit: str | None = None) -> str:
-    return explicit or os.environ.get(URL_ENV) or DEFAULT_URL
+SCHEMES = ("amqp", "amqps")
+# Several URLs in one string: separated by commas and/or whitespace (a comma inside a
+# URL, e.g. in a password, is written %2C).
+_SEPARATORS = re.compile(r"\s*,\s*|\s+")
+
+
+def broker_urls(explicit: str | Sequence[str] | None = None) -> tuple[str, ...]:
+    """The broker URLs to try, in order: `explicit` (one URL, several in one string
+    separated by commas or whitespace, or a sequence of either), else $RABBIT_DELAY_URL
+    (same syntax), else the local broker.
+
+    Raises ConfigError for an empty entry (e.g. "a,,b" or a trailing comma), a scheme
+    other than amqp:// or amqps://, or a port that is not a number (the password is
+    never shown).
+    """
+    given: Sequence[str]
+    if isinstance(explicit, str):
+        given = [explicit] if explicit.strip() else []
+    else:
+        given = list(explicit or ())
+    source = "the broker URL"
+    if not given:
+        env = os.environ.get(URL_ENV, "")
+        if not env.strip():
+            return (DEFAULT_URL,)
+        given, source = [env], f"${URL_ENV}"
+    urls: list[str] = []
+    for entry in given:
+        if not isinstance(entry, str):
+            raise ConfigError(f"{source}: expected URL strings, got {type(entry).__name__}")
+        pieces = _SEPARATORS.split(entry.strip())
+        if any(not p for p in pieces):
+            raise ConfigError(
+                f"{source} {redact(entry)!r} has an empty entry: separate several URLs with "
+                "single commas, e.g. amqp://h1:5672/,amqp://h2:5672/"
+            )
+        urls.extend(pieces)
+    for url in urls:
+        check_url(url, source)
+    return tuple(urls)
+
+
+def check_url(url: str, source: str = "the broker URL") -> None:
+    """Raise ConfigError unless `url` is an amqp:// or amqps:// URL with a numeric port."""
+    shown = redact(url)
+    try:
+        parts = urlsplit(url)
+        _ = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {shown!r} is not a valid URL ({redact(str(exc))})") from None
+    if parts.scheme.lower() not in SCHEMES or not url.lower().startswith(f"{parts.scheme}://"):
+        raise ConfigError(
+            f"{source}: {shown!r} is not a broker URL: write amqp://USER:PASSWORD@HOST:5672/VHOST "
+            "(amqps:// and port 5671 for TLS)"
+        )
+
+
+def broker_url(explicit: str | Sequence[str] | None = None) -> str:
+    """The first of `broker_urls(explicit)`: where a single connection goes first."""
+    return broker_urls(explicit)[0]
 
 
 def redact(text: str) -> str:
@@ -30,6 +93,12 @@ class ManagementEndpoint:
     username: str
     password: str
     vhost: str
+    # https: the CA / client certificate of the AMQP URL, or the management URL's own
+    # query (rabbit_delay.tls); None for http.
+    tls: TLSOptions | None = None
+    # Named by the user (--management-url, $RABBIT_DELAY_MANAGEMENT_URL), not derived from
+    # the AMQP URL: a refused login there is an error, not a wrong guess (management.checked).
+    explicit: bool = False
 
     def __repr__(self) -> str:  # never show the password, even in a traceback
         return (
@@ -72,7 +141,10 @@ def management_endpoints(amqp_url: str, explicit: str | None = None) -> list[Man
         if m.port:
             netloc += f":{m.port}"
         base = urlunsplit((m.scheme or "http", netloc, m.path.rstrip("/"), "", ""))
-        return [ManagementEndpoint(base, user, password, vhost)]
+        # https: the AMQP URL's CA and client certificate, unless its own query names others
+        inherited = split_tls(amqp_url)[1] if m.scheme == "https" else None
+        _, options = split_tls(base + (f"?{m.query}" if m.query else ""), inherited)
+        return [ManagementEndpoint(base, user, password, vhost, options, explicit=True)]
     tls = parts.scheme == "amqps"
     host = parts.hostname or "127.0.0.1"
     if ":" in host:
@@ -86,7 +158,10 @@ def management_endpoints(amqp_url: str, explicit: str | None = None) -> list[Man
         amqp_port = standard_amqp
     if amqp_port != standard_amqp and amqp_port + 10000 <= 65535:
         ports.insert(0, amqp_port + 10000)
-    return [ManagementEndpoint(f"{scheme}://{host}:{p}", user, password, vhost) for p in ports]
+    _, amqp_tls = split_tls(amqp_url)
+    return [
+        ManagementEndpoint(f"{scheme}://{host}:{p}", user, password, vhost, amqp_tls) for p in ports
+    ]
 
 
 def management_endpoint(amqp_url: str, explicit: str | None = None) -> ManagementEndpoint:

@@ -2,7 +2,8 @@
 socket exception a public call can meet becomes a class of `rabbit_delay.errors`.
 
 What a broker's close reply means is decided once, in `errors.broker_refusal`, for both
-transports; this module only reads the reply out of aiormq's exceptions.
+transports; this module only reads the reply out of aiormq's exceptions. The table is
+in docs/connections.md.
 """
 
 from __future__ import annotations
@@ -17,46 +18,68 @@ import aiormq.exceptions
 
 from rabbit_delay.errors import (
     BrokerBlocked,
+    BrokerError,
     BrokerUnavailable,
     ConnectionLost,
+    NackError,
     RabbitDelayError,
     UnconfirmedError,
+    UnroutableError,
     broker_refusal,
 )
 from rabbit_delay.urls import redact
 
+_e = aiormq.exceptions
+
 CLIENT_ERRORS: tuple[type[BaseException], ...] = (
-    aiormq.exceptions.AMQPError,
-    aiormq.exceptions.ChannelInvalidStateError,
+    _e.AMQPError,
+    _e.ChannelInvalidStateError,  # a RuntimeError: a call on a closed channel
     aio_pika.exceptions.AMQPException,
     asyncio.TimeoutError,
     OSError,
     EOFError,
 )
 
-# aiormq raises a subclass per reply code with only the reply text as its argument.
-_CHANNEL_CODES: dict[type[BaseException], int] = {
-    aiormq.exceptions.ChannelAccessRefused: 403,
-    aiormq.exceptions.ChannelNotFoundEntity: 404,
-    aiormq.exceptions.ChannelLockedResource: 405,
-    aiormq.exceptions.ChannelPreconditionFailed: 406,
+# aiormq raises a subclass per known reply code with only the reply text as argument,
+# and the base class with (reply code, reply text) for the others.
+CHANNEL_CODES: dict[type[BaseException], int] = {
+    _e.ChannelAccessRefused: 403,
+    _e.ChannelNotFoundEntity: 404,
+    _e.ChannelLockedResource: 405,
+    _e.ChannelPreconditionFailed: 406,
 }
-_CONNECTION_CODES: dict[type[BaseException], int] = {
-    aiormq.exceptions.ConnectionNotAllowed: 530,
-    aiormq.exceptions.ConnectionResourceError: 506,
-    aiormq.exceptions.ConnectionInternalError: 541,
+CONNECTION_CODES: dict[type[BaseException], int] = {
+    _e.ConnectionFrameError: 501,
+    _e.ConnectionSyntaxError: 502,
+    _e.ConnectionCommandInvalid: 503,
+    _e.ConnectionChannelError: 504,
+    _e.ConnectionUnexpectedFrame: 505,
+    _e.ConnectionResourceError: 506,
+    _e.ConnectionNotAllowed: 530,
+    _e.ConnectionNotImplemented: 540,
+    _e.ConnectionInternalError: 541,
 }
+# What aiormq raises (RuntimeError) for a call on a connection torn down under it.
+_CLOSED_WORDS = ("closed", "writer is none", "no active transport")
 
 
 def reply_of(exc: BaseException, codes: dict[type[BaseException], int]) -> tuple[int | None, str]:
-    """(reply code, reply text) of an aiormq close exception."""
-    for cls, code in codes.items():
-        if isinstance(exc, cls):
-            return code, " ".join(str(a) for a in exc.args)
+    """(reply code, reply text) of an aiormq close exception; (None, "") for a channel or
+    connection the client closed itself."""
     args = exc.args
     if len(args) >= 2 and (args[0] is None or isinstance(args[0], int)):
-        return args[0], str(args[1] or "")
-    return None, " ".join(str(a) for a in args)
+        return args[0], "" if args[1] is None else str(args[1])
+    text = " ".join(str(a) for a in args if a is not None)
+    for cls, code in codes.items():
+        if isinstance(exc, cls):
+            return code, text
+    return None, text
+
+
+def is_closed_error(exc: BaseException) -> bool:
+    """A RuntimeError aiormq / aio-pika raise for a call on a closed connection."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(w in text for w in _CLOSED_WORDS)
 
 
 def translate(
@@ -71,7 +94,7 @@ def translate(
     them."""
     if isinstance(exc, RabbitDelayError):
         return exc
-    error = _translate(exc, doing=doing, permission=permission)
+    error = _translate(exc, doing=doing, permission=permission, message_ids=message_ids)
     if message_ids and isinstance(error, BrokerBlocked):
         return BrokerBlocked(str(error), message_ids=message_ids, reason=error.reason)
     if message_ids and isinstance(error, ConnectionLost):
@@ -83,26 +106,47 @@ def translate(
     return error
 
 
-def _translate(exc: BaseException, *, doing: str, permission: str) -> RabbitDelayError:
-    e = aiormq.exceptions
-    if isinstance(exc, e.ChannelClosed):
-        code, text = reply_of(exc, _CHANNEL_CODES)
-        if code is None and not text.strip("None "):  # closed by the client side
+def _translate(
+    exc: BaseException, *, doing: str, permission: str, message_ids: Sequence[str]
+) -> RabbitDelayError:
+    if isinstance(exc, _e.PublishError):  # basic.return under mandatory
+        return UnroutableError(
+            f"the broker returned the message(s) as unroutable while {doing}: {exc}",
+            message_ids=message_ids,
+        )
+    if isinstance(exc, _e.DeliveryError):  # basic.nack
+        return NackError(f"the broker nacked the message(s) while {doing}", message_ids=message_ids)
+    if isinstance(exc, _e.ChannelClosed):
+        code, text = reply_of(exc, CHANNEL_CODES)
+        if code is None and not text:
             return ConnectionLost(f"channel closed while {doing}")
         return broker_refusal(code, text, doing=doing, permission=permission)
-    if isinstance(exc, e.ProbableAuthenticationError | e.AuthenticationError):
+    if isinstance(exc, _e.ProbableAuthenticationError | _e.AuthenticationError):
         return BrokerUnavailable(
-            f"the broker refused the login while {doing}: check the user name, password and "
-            f"vhost of the URL ({type(exc).__name__})"
+            f"the broker refused the login while {doing}: check the user name and password "
+            "of the URL"
         )
-    if isinstance(exc, e.ConnectionClosed):
-        code, text = reply_of(exc, _CONNECTION_CODES)
+    if isinstance(exc, _e.ConnectionClosed):
+        code, text = reply_of(exc, CONNECTION_CODES)
+        if not code:  # (0, "normal closed"): closed on this side
+            return ConnectionLost(f"connection closed while {doing}")
         return broker_refusal(code, text, doing=doing, permission=permission, connection=True)
+    if isinstance(exc, _e.InvalidFrameError) and "Connection.Close" in str(exc):
+        # aiormq: connection.open answered by connection.close (530, the vhost)
+        return BrokerUnavailable(
+            f"the broker refused the virtual host while {doing}: it does not exist, or the "
+            "user has no permissions on it"
+        )
     if isinstance(exc, ssl.SSLError):
         return BrokerUnavailable(f"TLS failed while {doing}: {redact(str(exc))}")
     if isinstance(exc, asyncio.TimeoutError):
-        return ConnectionLost(f"timed out while {doing}")
-    return ConnectionLost(f"connection lost while {doing}: {_describe(exc)}")
+        return ConnectionLost(f"timed out while {doing} (no answer from the broker)")
+    if isinstance(
+        exc, _e.AMQPConnectionError | _e.ChannelInvalidStateError | OSError | EOFError
+    ) or is_closed_error(exc):
+        return ConnectionLost(f"connection lost while {doing}: {_describe(exc)}")
+    # a protocol error, a duplicate consumer tag: the broker's side
+    return BrokerError(f"{_describe(exc)} while {doing}")
 
 
 def _describe(exc: BaseException) -> str:
@@ -119,4 +163,8 @@ def mapped(doing: str, *, permission: str = "", message_ids: Sequence[str] = ())
     except RabbitDelayError:
         raise
     except CLIENT_ERRORS as exc:
+        raise translate(exc, doing=doing, permission=permission, message_ids=message_ids) from None
+    except RuntimeError as exc:
+        if not is_closed_error(exc):
+            raise
         raise translate(exc, doing=doing, permission=permission, message_ids=message_ids) from None

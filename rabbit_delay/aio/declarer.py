@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Generator
@@ -14,7 +15,15 @@ from aio_pika.abc import AbstractConnection
 from aiormq.abc import AbstractChannel
 
 from rabbit_delay.aio._connection import broker_info, plain_channel
-from rabbit_delay.errors import BrokerError, MissingObjectError, MissingPluginError
+from rabbit_delay.aio._errors import (
+    CHANNEL_CODES,
+    CLIENT_ERRORS,
+    CONNECTION_CODES,
+    is_closed_error,
+    reply_of,
+    translate,
+)
+from rabbit_delay.errors import MissingPluginError
 from rabbit_delay.plan import (
     PLUGIN_HINT,
     ROUTING_PROBE_TIMEOUT_S,
@@ -33,6 +42,7 @@ from rabbit_delay.plan import (
     declare_program,
     describe,
     desired,
+    permission,
     plan_program,
 )
 from rabbit_delay.topology import Topology
@@ -57,34 +67,39 @@ class _Executor:
         return self._ch
 
     async def close(self) -> None:
+        """Close the channel if it is still open; a lost one needs nothing (and an error
+        on the way out never hides the one that ended the program)."""
         owner, self._owner, self._ch = self._owner, None, None
         if owner is not None and not owner.is_closed:
-            await owner.close()
+            with contextlib.suppress(*CLIENT_ERRORS, RuntimeError):
+                await owner.close()
 
     async def __call__(self, op: Operation) -> object:
         try:
             return await self._run(op)
         except aiormq.exceptions.ConnectionClosed as exc:
-            if UNKNOWN_EXCHANGE_TYPE.search(_text(exc)):  # 3.x: 503, whole connection
-                raise MissingPluginError(f"{_text(exc)}: {PLUGIN_HINT}") from None
-            raise BrokerError(f"connection closed by the broker: {_text(exc)}") from None
+            _code, text = reply_of(exc, CONNECTION_CODES)
+            if UNKNOWN_EXCHANGE_TYPE.search(text):  # 3.x: 503, whole connection
+                raise MissingPluginError(f"{text}: {PLUGIN_HINT}") from None
+            raise translate(exc, doing=describe(op), permission=permission(op)) from None
         except aiormq.exceptions.ChannelClosed as exc:
             self._ch = None
-            text = _text(exc)
+            code, text = reply_of(exc, CHANNEL_CODES)
             if UNKNOWN_EXCHANGE_TYPE.search(text):  # 4.x: 406, channel only
                 raise MissingPluginError(f"{text}: {PLUGIN_HINT}") from None
-            if isinstance(exc, aiormq.exceptions.ChannelAccessRefused):
-                if isinstance(op, SupportsType):
-                    return True  # the type passed the check; the reserved name was refused
-            elif isinstance(exc, aiormq.exceptions.ChannelNotFoundEntity):
-                if isinstance(op, Exists):
-                    return False
-                raise MissingObjectError(f"{text} (while {describe(op)})") from None
-            elif isinstance(exc, aiormq.exceptions.ChannelPreconditionFailed) and isinstance(
-                op, Declare
-            ):
+            if isinstance(op, SupportsType) and code == 403:
+                return True  # the type passed the check; the reserved name was refused
+            if isinstance(op, Exists) and code == 404:
+                return False
+            if isinstance(op, Declare) and code == 406:
                 return text
-            raise BrokerError(f"{text} (while {describe(op)})") from None
+            raise translate(exc, doing=describe(op), permission=permission(op)) from None
+        except CLIENT_ERRORS as exc:
+            raise translate(exc, doing=describe(op), permission=permission(op)) from None
+        except RuntimeError as exc:
+            if not is_closed_error(exc):
+                raise
+            raise translate(exc, doing=describe(op), permission=permission(op)) from None
 
     async def _routes_every_key(self, op: RoutesEveryKey) -> bool:
         """See plan.RoutesEveryKey: a temporary exclusive queue, deleted with its channel."""
@@ -146,12 +161,6 @@ class _Executor:
         return None
 
 
-def _text(exc: BaseException) -> str:
-    frame = exc.args[0] if exc.args else None
-    reply = getattr(frame, "reply_text", None)
-    return str(reply) if reply is not None else str(exc)
-
-
 async def run_program(
     connection: AbstractConnection, program: Generator[Operation, object, T]
 ) -> T:
@@ -171,7 +180,10 @@ async def run_program(
 async def declare(
     connection: AbstractConnection, topology: Topology, *, observed: Observed | None = None
 ) -> DeclareReport:
-    """Declare the topology (see rabbit_delay.sync.declare for what it raises)."""
+    """Declare the topology. Raises DeclarationConflict or IncompatibleBroker (nothing
+    changed), MissingPluginError, MissingObjectError, AccessRefused (the permission
+    named), ConnectionLost (the connection went away mid-way: run it again, it is
+    idempotent) or BrokerError."""
     program = declare_program(desired(topology), observed, broker_info(connection))
     return await run_program(connection, program)
 
@@ -179,6 +191,7 @@ async def declare(
 async def plan(
     connection: AbstractConnection, topology: Topology, *, observed: Observed | None = None
 ) -> Plan:
-    """What `declare` would do, changing nothing. Raises MissingPluginError."""
+    """What `declare` would do, changing nothing. Raises MissingPluginError,
+    IncompatibleBroker, ConnectionLost or AccessRefused."""
     program = plan_program(desired(topology), observed, broker_info(connection))
     return await run_program(connection, program)

@@ -1,17 +1,26 @@
-"""Asynchronous publisher on aio-pika: confirmed, persistent, mandatory.
+"""Asynchronous publisher on aio-pika: confirmed, persistent, mandatory; recovers from a
+lost connection and notices a blocked broker.
 
 Publishes through the channel's underlying aiormq channel: aiormq tracks confirms per
-delivery tag and maps a basic.return to its publish by message_id, so each call awaits
-exactly its own outcome and a batch simply keeps a window of them in flight.
+delivery tag and maps a basic.return to its publish by message_id, so each send awaits
+exactly its own outcome and a call simply keeps a window of them in flight.
+
+What a call knows (the ledger of confirms), when to give up and what to raise are decided
+in the core (`rabbit_delay._confirms`, `rabbit_delay.publishing.PublisherCore`), the same
+for the pika publisher; this module sends, waits and reconnects as told.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import time
+import weakref
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Self
+from typing import Any, Self, Unpack
 
 import aiormq
 from aio_pika.abc import AbstractChannel as AbstractAioChannel
@@ -19,83 +28,199 @@ from aio_pika.abc import AbstractConnection
 from aiormq.abc import AbstractChannel
 from pamqp.commands import Basic
 
-from rabbit_delay.aio._connection import plain_channel
-from rabbit_delay.errors import (
-    BrokerError,
-    MissingObjectError,
-    NackError,
-    PublishError,
-    RabbitDelayError,
-    UnroutableError,
+from rabbit_delay._confirms import (
+    BlockedState,
+    Ledger,
+    Recovery,
+    State,
+    log_lost,
+    log_recovered,
+    recoverable,
+    recovery_failed,
 )
-from rabbit_delay.message import Body, Outgoing, encode_body, now_ms
-from rabbit_delay.publishing import DelayLike, PublisherCore, confirm_failure
+from rabbit_delay.aio._connection import close_quietly, connect_first, plain_channel
+from rabbit_delay.aio._errors import mapped
+from rabbit_delay.connection import ConnectionSettings, failover_order
+from rabbit_delay.errors import RabbitDelayError
+from rabbit_delay.message import Body, Outgoing
+from rabbit_delay.publishing import (
+    WORKER_BLOCKED_TIMEOUT_S,
+    DelayLike,
+    PublisherCore,
+    PublisherOptions,
+    URLs,
+)
 from rabbit_delay.topology import Topology
+from rabbit_delay.urls import redact
 
-if TYPE_CHECKING:
-    from rabbit_delay.metrics import Metrics
+log = logging.getLogger("rabbit_delay.publisher")
 
 PERSISTENT = 2
-DEFAULT_WINDOW = 256
+
+
+class _Blocked(BlockedState):
+    """BlockedState that also wakes the publishes waiting on the connection."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.listeners: set[asyncio.Event] = set()
+
+    def block(self, reason: str, now: float) -> None:
+        super().block(reason, now)
+        for event in self.listeners:
+            event.set()
+
+    def unblock(self, now: float) -> None:
+        super().unblock(now)
+        for event in self.listeners:
+            event.set()
+
+
+# One blocked state per aiormq connection, shared by every publisher on it.
+_BLOCKED: weakref.WeakKeyDictionary[Any, _Blocked] = weakref.WeakKeyDictionary()
+# aiormq handles connection.blocked / unblocked in these (name-mangled) methods and
+# offers no callback: the publisher wraps them on each connection it uses.
+_ON_BLOCKED = "_Connection__handle_connection_blocked"
+_ON_UNBLOCKED = "_Connection__handle_connection_unblocked"
+
+
+def blocked_state(connection: AbstractConnection) -> _Blocked:
+    """The connection.blocked / unblocked state of `connection`, hooked once."""
+    transport = connection.transport
+    underlay: Any = transport.connection if transport is not None else None
+    if underlay is None:  # not connected: nothing can block
+        return _Blocked("connection")
+    state = _BLOCKED.get(underlay)
+    if state is not None:
+        return state
+    state = _Blocked(f"{underlay.url.host}:{underlay.url.port}")
+    on_blocked = getattr(underlay, _ON_BLOCKED, None)
+    on_unblocked = getattr(underlay, _ON_UNBLOCKED, None)
+    if on_blocked is None or on_unblocked is None:
+        log.debug("this aiormq does not let the publisher see connection.blocked")
+    else:
+
+        async def blocked(frame: Any) -> None:
+            await on_blocked(frame)
+            state.block(str(getattr(frame, "reason", "") or ""), time.monotonic())
+
+        async def unblocked(frame: Any) -> None:
+            await on_unblocked(frame)
+            state.unblock(time.monotonic())
+
+        setattr(underlay, _ON_BLOCKED, blocked)
+        setattr(underlay, _ON_UNBLOCKED, unblocked)
+    _BLOCKED[underlay] = state
+    return state
 
 
 class AsyncPublisher(PublisherCore):
-    """`publish_delayed` on an aio-pika connection (the same methods as the sync Publisher).
+    """`publish_delayed` on an aio-pika connection (the same API as the sync Publisher).
 
-    Create with `await AsyncPublisher.connect(topology, url)` or pass a connection and
-    call `await publisher.open()`. Safe to use from many tasks at once.
+    `await AsyncPublisher.connect(topology, url)` returns an open publisher owning its
+    connection; `AsyncPublisher(topology, url)` does no I/O until `await open()`,
+    `async with` or the first publish; `AsyncPublisher(topology, connection=conn)`
+    publishes on your connection (never closed nor reconnected by the publisher).
+    Options: see `PublisherOptions` and docs/publishing.md. Many tasks of one event
+    loop may publish at once.
     """
 
     def __init__(
         self,
         topology: Topology,
-        connection: AbstractConnection,
+        url: URLs | None = None,
         *,
-        window: int = DEFAULT_WINDOW,
-        own: bool = False,
-        metrics: Metrics | None = None,
+        connection: AbstractConnection | None = None,
+        **options: Unpack[PublisherOptions],
     ) -> None:
-        super().__init__(topology, metrics=metrics)
+        super().__init__(topology, url, borrowed=connection is not None, **options)
         self.connection = connection
-        self.window = window
-        self._own = own
+        self._url_in_use: str | None = None
         self._channel: AbstractChannel | None = None
         self._owner: AbstractAioChannel | None = None  # the aio-pika channel owning `_channel`
         self._opening = asyncio.Lock()
+        self._generation = 0  # bumped at each (re)open: a lost one is recovered once
+        self._blocked = _Blocked("connection")
 
     @classmethod
     async def connect(
         cls,
         topology: Topology,
-        url: str | None = None,
-        *,
-        window: int = DEFAULT_WINDOW,
-        metrics: Metrics | None = None,
-    ) -> AsyncPublisher:
-        from rabbit_delay.aio._connection import connect
+        url: URLs | None = None,
+        **options: Unpack[PublisherOptions],
+    ) -> Self:
+        """An open publisher on a connection of its own (the first URL that answers).
+        Raises BrokerUnavailable, or ConfigError for bad options."""
+        return await cls(topology, url, **options).open()
 
-        connection = await connect(url, name="rabbit-delay publisher")
-        publisher = cls(topology, connection, window=window, own=True, metrics=metrics)
-        await publisher.open()
-        return publisher
+    # -- lifecycle -----------------------------------------------------------------------
 
-    async def open(self) -> AbstractChannel:
+    @property
+    def is_open(self) -> bool:
+        connection, channel = self.connection, self._channel
+        return (
+            connection is not None
+            and not connection.is_closed
+            and channel is not None
+            and not channel.is_closed
+        )
+
+    async def open(self) -> Self:
+        """Connect (own connection) and open a confirm-mode channel; idempotent.
+        Raises BrokerUnavailable, ConnectionLost (a borrowed connection that is closed),
+        AccessRefused."""
         async with self._opening:
-            if self._channel is None or self._channel.is_closed:
+            if not self.is_open:
+                await self._open(self.url)
+        return self
+
+    async def _open(self, url: URLs | None) -> None:
+        with mapped("opening a publisher channel"):
+            connection = self.connection
+            if self.owns_connection and (connection is None or connection.is_closed):
                 await self._close_channel()
-                self._owner = await plain_channel(self.connection, confirms=True)
-                self._channel = await self._owner.get_underlay_channel()
-            return self._channel
+                await close_quietly(connection)
+                settings = self.settings or ConnectionSettings()
+                self.connection, self._url_in_use = await connect_first(
+                    url, name="rabbit-delay publisher", settings=settings
+                )
+            assert self.connection is not None
+            await self._close_channel()
+            self._owner = await plain_channel(self.connection, confirms=True)
+            self._channel = await self._owner.get_underlay_channel()
+            self._blocked = blocked_state(self.connection)
+            self._generation += 1
 
     async def _close_channel(self) -> None:
         owner, self._owner, self._channel = self._owner, None, None
         if owner is not None and not owner.is_closed:
-            await owner.close()
+            with contextlib.suppress(Exception):  # best effort: its connection may be gone
+                await owner.close()
+
+    async def close(self) -> None:
+        """Close the channel, and the connection if the publisher owns it. Idempotent;
+        a connection the broker already dropped needs nothing."""
+        await self._close_channel()
+        if self.owns_connection:
+            await close_quietly(self.connection)
+
+    async def __aenter__(self) -> Self:
+        return await self.open()
+
+    async def __aexit__(
+        self, _t: type[BaseException] | None, _e: BaseException | None, _tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    # -- publishing ----------------------------------------------------------------------
 
     async def _send(self, out: Outgoing) -> None:
+        """Put one message on the wire and await its outcome: returns once confirmed;
+        aiormq raises PublishError (returned), DeliveryError (nacked), or a closed
+        channel's error."""
         channel = self._channel
-        if channel is None or channel.is_closed:
-            channel = await self.open()
+        if channel is None:
+            raise aiormq.exceptions.ChannelInvalidStateError("the publisher's channel is closed")
         properties = Basic.Properties(
             content_type=out.content_type,
             delivery_mode=PERSISTENT,
@@ -104,57 +229,138 @@ class AsyncPublisher(PublisherCore):
             # aware: pamqp takes a naive datetime for UTC, fromtimestamp() gives local time
             timestamp=datetime.fromtimestamp(out.timestamp, UTC),
         )
-        try:
-            await channel.basic_publish(
-                out.body,
-                exchange=out.exchange,
-                routing_key=out.routing_key,
-                properties=properties,
-                mandatory=out.mandatory,
-            )
-        except aiormq.exceptions.PublishError as exc:
-            # exc.message is the returned message; its delivery frame is a Basic.Return
-            reply = getattr(getattr(exc.message, "delivery", None), "reply_text", "NO_ROUTE")
-            raise _failure({out.message_id: str(reply)}, ()) from None
-        except aiormq.exceptions.DeliveryError:
-            raise _failure({}, (out.message_id,)) from None
-        except aiormq.exceptions.ChannelNotFoundEntity as exc:
-            raise MissingObjectError(f"{exc}; run `rabbit-delay declare` first") from None
-        except aiormq.exceptions.ChannelClosed as exc:
-            raise BrokerError(f"channel closed by the broker: {exc}") from None
+        await channel.basic_publish(
+            out.body,
+            exchange=out.exchange,
+            routing_key=out.routing_key,
+            properties=properties,
+            mandatory=out.mandatory,
+        )
 
     async def publish_outgoing(self, messages: Iterable[Outgoing]) -> list[str]:
-        """Publish prepared messages with up to `window` unconfirmed at once.
+        """Publish prepared messages with up to `window` unconfirmed at once; the ids
+        once every one is confirmed.
 
-        Every message is attempted; then UnroutableError / NackError is raised naming the
-        ids that failed (the others were confirmed).
+        Raises UnroutableError / NackError naming exactly the returned / nacked ids (the
+        others were confirmed); UnconfirmedError (or BrokerBlocked) naming exactly the
+        ids with no confirm; AccessRefused (403), MissingObjectError (404).
         """
-        outs = list(messages)
-        if self.metrics is None:
-            return await self._publish(outs)
+        ledger = self.ledger(messages)
+        error: RabbitDelayError | None = None
         try:
-            ids = await self._publish(outs)
+            await self._publish(ledger)
         except RabbitDelayError as exc:
-            self.record(outs, exc)
-            raise
-        self.record(outs)
-        return ids
+            error = exc
+        return self.finish(ledger, error)
 
-    async def _publish(self, outs: list[Outgoing]) -> list[str]:
-        if len(outs) == 1:
-            await self._send(outs[0])
-            return [outs[0].message_id]
-        window = asyncio.Semaphore(self.window)
+    async def _publish(self, ledger: Ledger) -> None:
+        """Send every message of `ledger` until each has its outcome; on a lost
+        connection (own connection), reconnect and re-send the unconfirmed ones."""
+        recovery: Recovery | None = None
+        while True:
+            generation = self._generation
+            try:
+                if not self.is_open:
+                    await self.open()
+                    generation = self._generation
+                with mapped("publishing", permission="write"):
+                    await self._run(ledger)
+                return
+            except RabbitDelayError as exc:
+                if not (self.owns_connection and recoverable(exc)):
+                    raise
+                ledger.channel_lost()
+                if recovery is None:
+                    recovery = self.recovery()
+                recovery.lost(time.monotonic(), ledger.confirmed)
+                log_lost(exc, ledger, recovery)
+                await self._reconnect(recovery, exc, generation)
 
-        async def one(out: Outgoing) -> None:
-            async with window:
-                await self._send(out)
+    async def _reconnect(
+        self, recovery: Recovery, error: RabbitDelayError, generation: int
+    ) -> None:
+        """Connect again (the next URL first) with backoff, until the deadline: then
+        raise ConnectionLost (the call names its unconfirmed ids). Calls that lost the
+        same connection reconnect it once."""
+        lost_url = self._url_in_use
+        urls = (self.settings or ConnectionSettings()).resolve(self.url)
+        while True:
+            delay = recovery.next_delay(time.monotonic())
+            if delay is None:
+                raise recovery_failed(recovery, error)
+            await asyncio.sleep(delay)
+            try:
+                async with self._opening:
+                    if self._generation == generation or not self.is_open:
+                        await close_quietly(self.connection)
+                        await self._open(failover_order(urls, lost_url))
+            except RabbitDelayError as exc:
+                if not recoverable(exc):
+                    raise
+                error = exc
+            else:
+                assert self._url_in_use is not None
+                log_recovered(redact(self._url_in_use), recovery, time.monotonic())
+                return
 
-        results = await asyncio.gather(*(one(o) for o in outs), return_exceptions=True)
-        failures = [r for r in results if isinstance(r, BaseException)]
-        if failures:
-            _raise_combined(failures)
-        return [o.message_id for o in outs]
+    async def _run(self, ledger: Ledger) -> None:
+        """Keep up to `window` messages in flight until each has its outcome; send
+        nothing more while the broker blocks the connection; raise BrokerBlocked once
+        the block is `blocked_timeout` old, or the first client error of a send."""
+        window = self.window
+        blocked = self._blocked
+        progress = asyncio.Event()
+        failures: list[BaseException] = []
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def one(index: int) -> None:
+            try:
+                await self._send(ledger.outs[index])
+            except aiormq.exceptions.PublishError as exc:
+                # exc.message is the returned message; its delivery frame a Basic.Return
+                reply = getattr(getattr(exc.message, "delivery", None), "reply_text", None)
+                ledger.settle(index, State.RETURNED, str(reply or "NO_ROUTE"))
+            except aiormq.exceptions.DeliveryError:
+                ledger.settle(index, State.NACKED)
+            except Exception as exc:  # a lost channel: mapped by the caller
+                failures.append(exc)
+            else:
+                ledger.settle(index, State.CONFIRMED)
+            finally:
+                progress.set()
+
+        blocked.listeners.add(progress)
+        try:
+            while not failures:
+                while ledger.in_flight < window and not blocked.blocked:
+                    index = ledger.take()
+                    if index is None:
+                        break
+                    ledger.sent(index)
+                    task = asyncio.create_task(one(index))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if ledger.done:
+                    return
+                progress.clear()
+                deadline = blocked.deadline(self.blocked_timeout_s)
+                if deadline is None:
+                    await progress.wait()
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise blocked.error(self.blocked_timeout_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(progress.wait(), left)
+            raise failures[0]
+        finally:
+            blocked.listeners.discard(progress)
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- the public calls (arguments handled by PublisherCore) ---------------------------
 
     async def publish_delayed(
         self,
@@ -168,9 +374,10 @@ class AsyncPublisher(PublisherCore):
         message_id: str | None = None,
         headers: Mapping[str, object] | None = None,
     ) -> str:
-        """Publish one message; return its message_id once confirmed.
+        """Publish one message; its message_id once confirmed.
 
-        See Publisher.publish_delayed for what it raises.
+        Raises DelayError / UnknownTargetError / EncodeError before sending; otherwise
+        what publish_outgoing raises.
         """
         out = self.prepare(
             msg,
@@ -182,8 +389,7 @@ class AsyncPublisher(PublisherCore):
             message_id=message_id,
             headers=headers,
         )
-        await self.publish_outgoing((out,))
-        return out.message_id
+        return (await self.publish_outgoing((out,)))[0]
 
     async def publish_many(
         self,
@@ -195,40 +401,12 @@ class AsyncPublisher(PublisherCore):
         delay: DelayLike | None = None,
         at: datetime | None = None,
     ) -> list[str]:
-        """Publish many messages to one target and delay, confirms pipelined."""
-        now = now_ms()
-        route = self.route(tier, queue=queue, routing_key=routing_key, delay=delay, at=at, now=now)
-        prepared = [self.outgoing(route, *encode_body(m), now) for m in messages]
+        """Publish many messages to one target and delay, confirms pipelined; the ids in
+        order. Every message is validated and encoded before the first is sent."""
+        prepared = self.prepare_many(
+            messages, tier, queue=queue, routing_key=routing_key, delay=delay, at=at
+        )
         return await self.publish_outgoing(prepared)
 
-    async def close(self) -> None:
-        await self._close_channel()
-        if self._own:
-            await self.connection.close()
 
-    async def __aenter__(self) -> Self:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self, _t: type[BaseException] | None, _e: BaseException | None, _tb: TracebackType | None
-    ) -> None:
-        await self.close()
-
-
-def _failure(returned: dict[str, str], nacked: tuple[str, ...]) -> PublishError:
-    error = confirm_failure(returned, nacked)
-    assert error is not None
-    return error
-
-
-def _raise_combined(failures: list[BaseException]) -> None:
-    """One error for a batch, as the sync publisher raises it (see confirm_failure)."""
-    other = [f for f in failures if not isinstance(f, UnroutableError | NackError)]
-    if other:
-        raise other[0]
-    returned = {
-        i: r for f in failures if isinstance(f, UnroutableError) for i, r in f.replies.items()
-    }
-    nacked = [i for f in failures if isinstance(f, NackError) for i in f.message_ids]
-    raise _failure(returned, tuple(nacked))
+__all__ = ["WORKER_BLOCKED_TIMEOUT_S", "AsyncPublisher", "blocked_state"]

@@ -35,14 +35,13 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from functools import partial
 from queue import SimpleQueue
 from typing import Any, Unpack
 
-import aio_pika
 import aiormq
 import aiormq.exceptions
 from aio_pika.abc import AbstractChannel, AbstractConnection
@@ -50,9 +49,10 @@ from aiormq.abc import AbstractChannel as RawChannel
 from aiormq.abc import DeliveredMessage
 from pamqp.commands import Basic
 
-from rabbit_delay.aio._connection import broker_info
+from rabbit_delay.aio._connection import broker_info, close_quietly, connect_first
+from rabbit_delay.aio._errors import CLIENT_ERRORS, mapped
 from rabbit_delay.aio.declarer import declare as declare_topology
-from rabbit_delay.aio.publisher import AsyncPublisher
+from rabbit_delay.aio.publisher import WORKER_BLOCKED_TIMEOUT_S, AsyncPublisher
 from rabbit_delay.broker import UNKNOWN, BrokerInfo
 from rabbit_delay.consumer import App, Consumer, Transport
 from rabbit_delay.consumer._acks import AckTracker
@@ -80,7 +80,6 @@ from rabbit_delay.consumer._worker_base import (
 )
 from rabbit_delay.errors import (
     BrokerError,
-    BrokerUnavailable,
     MissingObjectError,
     PublishError,
     RabbitDelayError,
@@ -96,6 +95,8 @@ _CHANNEL_GONE = (
     ConnectionError,
     RuntimeError,  # "writer is None" on a connection torn down mid-call
 )
+# What a reconnect round may meet: the next node may lack the topology, refuse the user...
+_RECONNECT_ERRORS: tuple[type[BaseException], ...] = (RabbitDelayError, *CLIENT_ERRORS)
 
 
 class AsyncWorker(WorkerBase):
@@ -104,16 +105,21 @@ class AsyncWorker(WorkerBase):
     Same options and guarantees as the sync `Worker`; `concurrency` bounds handlers
     running at once (default 16). Runs sync and async handlers alike.
 
-    Raises ConfigError at construction for an unknown queue; `run()` raises
-    BrokerUnavailable / MissingObjectError when it cannot start. After a successful
-    start, lost connections are re-opened with backoff.
+    Raises ConfigError at construction for an unknown queue or a malformed URL list;
+    `run()` raises BrokerUnavailable (every URL tried, and why), MissingObjectError,
+    AccessRefused, IncompatibleBroker or DeclarationConflict when it cannot start.
+    After a successful start, lost connections are re-opened with backoff, over every
+    URL (see WorkerBase).
     """
 
     transport = Transport.ASYNC
     default_concurrency = 16
 
     def __init__(
-        self, app: App, url: str | None = None, **settings: Unpack[WorkerSettings]
+        self,
+        app: App,
+        url: str | Sequence[str] | None = None,
+        **settings: Unpack[WorkerSettings],
     ) -> None:
         super().__init__(app, url, **settings)
         self._stop_requested = False
@@ -206,20 +212,26 @@ class AsyncWorker(WorkerBase):
 
     # -- connection --------------------------------------------------------------------
 
-    async def _open(self) -> None:
-        connection = await _connect(self.url, self.name)
+    async def _open(self, urls: tuple[str, ...] | None = None) -> None:
+        """Connect to the first of `urls` (default: all, in order) that answers, check the
+        broker and the queues, and consume. Raises the error tree's classes only."""
+        connection, url = await connect_first(
+            urls or self.urls, name=self.name, settings=self.connection_settings
+        )
         try:
             broker = broker_info(connection)
             self.check_broker(broker)
-            if self.declare:
+            if self.declare and not self.ever_started:  # at start only: see connections.md
                 await declare_topology(connection, self.app.topology)
             for queue_name in self.queue_names():
                 await _check_queue(connection, queue_name)
-            channel = await connection.channel(publisher_confirms=False)
-            await channel.set_qos(prefetch_count=self.prefetch)
-            raw = await channel.get_underlay_channel()
-            publisher = AsyncPublisher(self.app.topology, connection)
-            await publisher.open()
+            with mapped("opening the consuming channel"):
+                channel = await connection.channel(publisher_confirms=False)
+                await channel.set_qos(prefetch_count=self.prefetch)
+                raw = await channel.get_underlay_channel()
+            publisher = await AsyncPublisher(
+                self.app.topology, connection=connection, blocked_timeout=WORKER_BLOCKED_TIMEOUT_S
+            ).open()
             lost = asyncio.Event()
 
             def on_close(_sender: object = None, exc: BaseException | None = None) -> None:
@@ -235,13 +247,15 @@ class AsyncWorker(WorkerBase):
             # In place before the first delivery can arrive.
             self._connection, self._channel, self._raw = connection, channel, raw
             self._publisher, self._lost, self._broker = publisher, lost, broker
+            self.url = url
             self._new_channel()
-            for consumer in self.consumers:
-                await self._consume(raw, tracker, consumer)
+            queues = ", ".join(self.queue_names())
+            with mapped(f"starting to consume {queues}", permission="read"):
+                for consumer in self.consumers:
+                    await self._consume(raw, tracker, consumer)
         except BaseException:
             self._connection = self._channel = self._raw = self._publisher = None
-            with contextlib.suppress(Exception):
-                await connection.close()
+            await close_quietly(connection)
             raise
         self.started.set()
         self.ever_started = True
@@ -280,26 +294,27 @@ class AsyncWorker(WorkerBase):
         log.info("%s: consuming again (consumer tag %s)", consumer.queue, tag)
 
     async def _reconnect(self) -> None:
+        """Open a new connection, with backoff between rounds; each round tries the URLs
+        after the lost one first (a dead node last)."""
         assert self._stop is not None
         delays = self.reconnect_delays()
+        order = self.reconnect_order()
         while not self._stop.is_set():
             try:
-                await self._open()
-            except (RabbitDelayError, aiormq.exceptions.AMQPError, OSError) as exc:
+                await self._open(order)
+            except _RECONNECT_ERRORS as exc:
                 delay = next(delays)
-                log.warning("reconnect failed (%s); next try in %.1fs", redact(str(exc)), delay)
+                self.log_reconnect_failed(str(exc) or repr(exc), delay)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), delay)
             else:
-                log.info("reconnected to %s", redact(self.url))
+                self.log_reconnected()
                 return
 
     async def _close_connection(self) -> None:
         connection, self._connection = self._connection, None
         self._channel = self._raw = self._publisher = None
-        if connection is not None and not connection.is_closed:
-            with contextlib.suppress(Exception):
-                await connection.close()
+        await close_quietly(connection)
 
     async def _shutdown(self) -> None:
         """Cancel consumers, let in-flight handlers finish (up to the timeout), close."""
@@ -646,26 +661,18 @@ class _StoreBatches:
                 future.set_result(result)
 
 
-async def _connect(url: str, name: str) -> AbstractConnection:
-    try:
-        return await aio_pika.connect(url, client_properties={"connection_name": name})
-    except (aiormq.exceptions.AMQPError, OSError, ValueError) as exc:
-        raise BrokerUnavailable(f"cannot connect to {redact(url)}: {redact(repr(exc))}") from None
-
-
 async def _check_queue(connection: AbstractConnection, queue_name: str) -> None:
     """Passive declare on a throwaway channel: needs no configure permission."""
-    channel = await connection.channel(publisher_confirms=False)
-    try:
-        await channel.declare_queue(queue_name, passive=True)
-    except aiormq.exceptions.ChannelNotFoundEntity:
-        raise MissingObjectError(
-            f"queue {queue_name!r} does not exist on the broker: declare the topology "
-            "(`rabbit-delay declare`), or start the worker with --declare"
-        ) from None
-    except aiormq.exceptions.ChannelClosed as exc:
-        raise BrokerError(f"cannot use queue {queue_name!r}: {exc}") from None
-    finally:
-        if not channel.is_closed:
-            with contextlib.suppress(Exception):
-                await channel.close()
+    with mapped(f"checking queue {queue_name!r}"):
+        channel = await connection.channel(publisher_confirms=False)
+        try:
+            await channel.declare_queue(queue_name, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            raise MissingObjectError(
+                f"queue {queue_name!r} does not exist on the broker: declare the topology "
+                "(`rabbit-delay declare`), or start the worker with --declare"
+            ) from None
+        finally:
+            if not channel.is_closed:
+                with contextlib.suppress(*CLIENT_ERRORS, RuntimeError):
+                    await channel.close()

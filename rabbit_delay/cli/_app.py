@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -16,7 +16,7 @@ from rich.console import Console
 from rabbit_delay.cli._unreachable import describe_unavailable
 from rabbit_delay.errors import BrokerUnavailable, RabbitDelayError
 from rabbit_delay.topology import Topology, load_topology
-from rabbit_delay.urls import URL_ENV, broker_url, redact
+from rabbit_delay.urls import URL_ENV, broker_urls, redact
 
 app = typer.Typer(
     name="rabbit-delay",
@@ -47,10 +47,14 @@ TopologyArg = Annotated[
     ),
 ]
 UrlOpt = Annotated[
-    str | None,
+    list[str] | None,
     typer.Option(
         "--url",
-        help=f"AMQP URL (amqp:// or amqps://); default ${URL_ENV} or the local broker.",
+        help=(
+            "Broker URL (amqp:// or amqps://). Repeat it, or separate URLs with commas, to "
+            "name several nodes: the first that answers is used. Default: "
+            f"${URL_ENV} (same syntax), else the local broker."
+        ),
         show_default=False,
     ),
 ]
@@ -88,8 +92,9 @@ def print_json(data: Any) -> None:
     sys.stdout.write(redact(json.dumps(data, indent=2, default=str)) + "\n")
 
 
-def url_for(url: str | None) -> str:
-    return broker_url(url)
+def url_for(url: Sequence[str] | None) -> tuple[str, ...]:
+    """The broker URLs to try, in order. Raises ConfigError for a malformed list."""
+    return broker_urls(url)
 
 
 def main() -> None:

@@ -130,17 +130,20 @@ def plan(
 
     Exit code: 0 in sync, 2 changes pending, 1 error (conflicts count as pending).
     """
-    from rabbit_delay.sync import broker_info, connected
+    from rabbit_delay.sync import broker_info
     from rabbit_delay.sync import plan as sync_plan
+    from rabbit_delay.sync._connection import close_quietly, connect_first
 
     with errors_to_exit():
         topology = resolve_topology(file)
-        broker = url_for(url)
-        with connected(broker, name="rabbit-delay plan") as connection:
+        connection, broker = connect_first(url_for(url), name="rabbit-delay plan")
+        try:
             info = broker_info(connection)
             access = management_access(info, broker, management_url, no_management)
             observed, source = observe(access, topology)
             result = sync_plan(connection, topology, observed=observed)
+        finally:
+            close_quietly(connection)
     if as_json:
         print_json(
             {
@@ -175,14 +178,15 @@ def declare(
     Idempotent. Shows the plan first; stops without changing anything when an object
     exists with other arguments.
     """
-    from rabbit_delay.sync import broker_info, connected
+    from rabbit_delay.sync import broker_info
     from rabbit_delay.sync import declare as sync_declare
     from rabbit_delay.sync import plan as sync_plan
+    from rabbit_delay.sync._connection import close_quietly, connect_first
 
     with errors_to_exit():
         topology = resolve_topology(file)
-        broker = url_for(url)
-        with connected(broker, name="rabbit-delay declare") as connection:
+        connection, broker = connect_first(url_for(url), name="rabbit-delay declare")
+        try:
             info = broker_info(connection)
             access = management_access(info, broker, management_url, no_management)
             observed, source = observe(access, topology)
@@ -204,6 +208,8 @@ def declare(
                         }
                     )
                 raise
+        finally:
+            close_quietly(connection)
     if as_json:
         print_json(
             {
@@ -277,7 +283,8 @@ def publish(
         fail("MESSAGE must be a JSON object or array")
     with errors_to_exit():
         topology = resolve_topology(file)
-        with Publisher(topology, url_for(url)) as publisher:
+        # several URLs travel as one comma-separated string (the connect helpers split it)
+        with Publisher(topology, ",".join(url_for(url))) as publisher:
             out_msg = publisher.prepare(
                 body,
                 tier,
@@ -301,6 +308,50 @@ def publish(
             f"published {result['message_id']} via {result['exchange']} ({result['tier']}), "
             f"due at ms {result['due_at_ms']}"
         )
+
+
+@app.command("permissions")
+def permissions_command(
+    role: Annotated[
+        str, typer.Argument(help="declarer, publisher or worker (see docs/security.md).")
+    ],
+    file: Annotated[Path | None, typer.Option("--topology", "-f", help="Topology file.")] = None,
+    user: Annotated[str, typer.Option("--user", help="User name in the command.")] = "USER",
+    vhost: Annotated[
+        str | None,
+        typer.Option("--vhost", help="Vhost (default: the vhost of --url).", show_default=False),
+    ] = None,
+    url: UrlOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Print the exact permissions ROLE needs on this topology, as a `rabbitmqctl
+    set_permissions` line (configure, write, read regexes). Connects to nothing."""
+    from rabbit_delay.permissions import Role
+    from rabbit_delay.permissions import permissions as role_permissions
+    from rabbit_delay.urls import vhost_of
+
+    with errors_to_exit():
+        try:
+            chosen = Role(role)
+        except ValueError:
+            fail(f"unknown role {role!r}: choose one of {', '.join(r.value for r in Role)}")
+        topology = resolve_topology(file)
+        granted = role_permissions(topology, chosen)
+        vhost = vhost if vhost is not None else vhost_of(url_for(url)[0])
+    command = granted.rabbitmqctl(user, vhost)
+    if as_json:
+        print_json(
+            {
+                "role": chosen.value,
+                "namespace": topology.names.prefix,
+                "vhost": vhost,
+                **granted.as_json(),
+                "rabbitmqctl": command,
+            }
+        )
+        return
+    out.print(f"# {chosen.value} of {topology.names.prefix} (docs/security.md)", markup=False)
+    out.print(command, markup=False)
 
 
 __all__ = ["EXIT_ERROR", "declare", "plan", "publish"]

@@ -207,19 +207,21 @@ def status(
     Unacked messages: from the management API, sampled every few seconds ('?' without it).
     Exit code 0; 3 with --check when something needs a human; 1 on error.
     """
-    from rabbit_delay.sync import broker_info, connect
+    from rabbit_delay.sync import broker_info
+    from rabbit_delay.sync._connection import close_quietly, connect_first
     from rabbit_delay.sync.replay import passive_counts
 
     with errors_to_exit():
         topology = resolve_topology(file)
-        broker = url_for(url)
+        urls = url_for(url)
+        broker = urls[0]  # the node shown until one answers
         names = [spec.name for spec in desired(topology).queues]
         live: dict[str, PassiveCounts | None] | None = None
         amqp_error: BrokerUnavailable | None = None
         info: BrokerInfo | None = None
         endpoint: ManagementEndpoint | None = None
         try:
-            connection = connect(broker, name="rabbit-delay status")
+            connection, broker = connect_first(urls, name="rabbit-delay status")
         except BrokerUnavailable as exc:
             amqp_error = exc
             # Nothing to compare the API with: use it, and say it is unverified.
@@ -231,8 +233,7 @@ def status(
                 info = broker_info(connection)
                 live = passive_counts(connection, names)
             finally:
-                if connection.is_open:
-                    connection.close()
+                close_quietly(connection)
             access = management_access(info, broker, management_url, no_management)
             endpoint, api_note = access.endpoint, access.note
         api: dict[str, QueueStats] | None = None
@@ -375,7 +376,8 @@ def replay(
     Each copy is confirmed by the broker before the parked message is acked.
     On a failure the message stays parked and the command stops with exit code 1.
     """
-    from rabbit_delay.sync import broker_info, connect
+    from rabbit_delay.sync import broker_info
+    from rabbit_delay.sync._connection import close_quietly, connect_first
     from rabbit_delay.sync.replay import (
         preview_parked,
         preview_unroutable,
@@ -395,8 +397,7 @@ def replay(
 
     with errors_to_exit():
         topology = resolve_topology(file)
-        broker = url_for(url)
-        connection = connect(broker, name="rabbit-delay replay")
+        connection, broker = connect_first(url_for(url), name="rabbit-delay replay")
         try:
             if dry_run:
                 info = broker_info(connection)
@@ -416,8 +417,7 @@ def replay(
                 assert queue is not None
                 report = replay_parked(connection, topology, queue, tier=tier, limit=limit)
         finally:
-            if connection.is_open:
-                connection.close()
+            close_quietly(connection)
 
     if dry_run:
         if as_json:

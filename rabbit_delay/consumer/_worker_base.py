@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
 from rabbit_delay.broker import BrokerInfo
+from rabbit_delay.connection import Backoff, ConnectionSettings, failover_order
 from rabbit_delay.consumer._app import App, Consumer, Prepared, Transport
 from rabbit_delay.consumer._context import clock_ms
 from rabbit_delay.consumer._decide import Outcome, Undecodable
@@ -24,7 +25,7 @@ from rabbit_delay.consumer._stats import (
     worker_identity,
 )
 from rabbit_delay.plan import check_broker, desired
-from rabbit_delay.urls import broker_url, redact
+from rabbit_delay.urls import redact
 
 if TYPE_CHECKING:
     from rabbit_delay.metrics import Metrics
@@ -42,7 +43,8 @@ class WorkerSettings(TypedDict, total=False):
     concurrency: int | None
     declare: bool
     shutdown_timeout: float
-    reconnect_max_s: float
+    reconnect_max_s: float | None
+    connection_settings: ConnectionSettings | None
     name: str | None
     install_signal_handlers: bool
     metrics: Metrics | None
@@ -50,8 +52,16 @@ class WorkerSettings(TypedDict, total=False):
 
 class WorkerBase:
     """Validated settings of a worker; `Worker` (pika) and `AsyncWorker` (aio-pika) add
-    the I/O. Raises ConfigError for a handler the transport cannot run or an unknown
-    queue, ValueError for a concurrency or prefetch below 1."""
+    the I/O. Raises ConfigError for a handler the transport cannot run, an unknown queue
+    or a malformed URL list, ValueError for a concurrency or prefetch below 1.
+
+    `url`: one broker URL, several (a sequence, or one string separated by commas), or
+    None for `connection_settings.urls`, else $RABBIT_DELAY_URL, else the local broker.
+    The worker consumes from the first node that answers; when the connection is lost it
+    reconnects with backoff (`connection_settings.backoff`, its maximum replaced by
+    `reconnect_max_s` when given), trying the nodes after the lost one first. Each node
+    must hold the topology (a cluster shares it; separate brokers each need `declare`).
+    """
 
     transport: ClassVar[Transport]
     default_concurrency: ClassVar[int]
@@ -59,14 +69,15 @@ class WorkerBase:
     def __init__(
         self,
         app: App,
-        url: str | None = None,
+        url: str | Sequence[str] | None = None,
         *,
         queues: Sequence[str] | None = None,
         prefetch: int | None = None,
         concurrency: int | None = None,
         declare: bool = False,
         shutdown_timeout: float = 30.0,
-        reconnect_max_s: float = 30.0,
+        reconnect_max_s: float | None = None,
+        connection_settings: ConnectionSettings | None = None,
         name: str | None = None,
         install_signal_handlers: bool = True,
         metrics: Metrics | None = None,
@@ -77,14 +88,22 @@ class WorkerBase:
         self.app = app
         self.consumers = app.select(queues)
         app.check_runnable(self.consumers, self.transport)
-        self.url = broker_url(url)
+        self.connection_settings = connection_settings or ConnectionSettings()
+        self.urls = self.connection_settings.resolve(url)
+        self.url = self.urls[0]  # the node connected to (or tried first)
+        backoff = self.connection_settings.backoff
+        if reconnect_max_s is not None:
+            backoff = Backoff(
+                min(backoff.initial_s, reconnect_max_s), reconnect_max_s, backoff.jitter
+            )
+        self.backoff = backoff
         self.concurrency = concurrency
         self.prefetch = prefetch if prefetch is not None else 2 * concurrency
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {self.prefetch}")
         self.declare = declare
         self.shutdown_timeout = shutdown_timeout
-        self.reconnect_max_s = reconnect_max_s
+        self.reconnect_max_s = backoff.max_s
         self.identity = worker_identity()
         self.name = name or f"rabbit-delay worker {self.identity}"
         self.install_signal_handlers = install_signal_handlers
@@ -150,12 +169,24 @@ class WorkerBase:
         return [names.business_queue(c.queue) for c in self.consumers]
 
     def reconnect_delays(self) -> Iterator[float]:
-        """Seconds to wait before each reconnect attempt: 0.25 s, doubling up to
-        `reconnect_max_s`."""
-        delay = 0.25
-        while True:
-            yield delay
-            delay = min(delay * 2, self.reconnect_max_s)
+        """Seconds to wait between reconnect rounds (rabbit_delay.connection.Backoff)."""
+        return self.backoff.delays()
+
+    def reconnect_order(self) -> tuple[str, ...]:
+        """The URLs to try after losing the connection to `self.url`: the next ones
+        first, so a dead node is tried last."""
+        return failover_order(self.urls, self.url)
+
+    def log_reconnect_failed(self, why: str, delay: float) -> None:
+        log.warning(
+            "reconnect failed (%s); next try in %.1fs%s",
+            redact(why),
+            delay,
+            "" if len(self.urls) == 1 else f" (of {len(self.urls)} broker URLs)",
+        )
+
+    def log_reconnected(self) -> None:
+        log.info("reconnected to %s", redact(self.url))
 
     def log_consuming(self) -> None:
         log.info(

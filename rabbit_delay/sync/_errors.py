@@ -3,7 +3,7 @@ public call can meet becomes a class of `rabbit_delay.errors`.
 
 Every public call of `sync/` runs its pika calls inside `mapped(...)` (or calls
 `translate` itself); what a broker's close reply means is decided once, in
-`errors.broker_refusal`, for both transports.
+`errors.broker_refusal`, for both transports. The table is in docs/connections.md.
 """
 
 from __future__ import annotations
@@ -17,10 +17,13 @@ import pika.exceptions
 
 from rabbit_delay.errors import (
     BrokerBlocked,
+    BrokerError,
     BrokerUnavailable,
     ConnectionLost,
+    NackError,
     RabbitDelayError,
     UnconfirmedError,
+    UnroutableError,
     broker_refusal,
 )
 from rabbit_delay.urls import redact
@@ -29,6 +32,19 @@ from rabbit_delay.urls import redact
 CLIENT_ERRORS: tuple[type[BaseException], ...] = (
     pika.exceptions.AMQPError,
     OSError,  # socket errors, ssl.SSLError, ConnectionError, TimeoutError
+    EOFError,
+)
+
+_e = pika.exceptions
+# An open connection or channel that went away (or was used after it went away).
+_LOST: tuple[type[BaseException], ...] = (
+    _e.StreamLostError,
+    _e.ConnectionClosed,  # by the client, or by the broker without a reply we read
+    _e.AMQPHeartbeatTimeout,
+    _e.ConnectionWrongStateError,  # a call on a connection that is closed
+    _e.ChannelWrongStateError,  # a call on a channel that is closed
+    _e.ChannelClosed,  # by the client (ChannelClosedByBroker is read first)
+    OSError,
     EOFError,
 )
 
@@ -47,7 +63,7 @@ def translate(
     """
     if isinstance(exc, RabbitDelayError):
         return exc
-    error = _translate(exc, doing=doing, permission=permission)
+    error = _translate(exc, doing=doing, permission=permission, message_ids=message_ids)
     if message_ids and isinstance(error, BrokerBlocked):
         return BrokerBlocked(str(error), message_ids=message_ids, reason=error.reason)
     if message_ids and isinstance(error, ConnectionLost):
@@ -59,40 +75,49 @@ def translate(
     return error
 
 
-def _translate(exc: BaseException, *, doing: str, permission: str) -> RabbitDelayError:
-    e = pika.exceptions
-    if isinstance(exc, e.ConnectionBlockedTimeout):
+def _translate(
+    exc: BaseException, *, doing: str, permission: str, message_ids: Sequence[str]
+) -> RabbitDelayError:
+    if isinstance(exc, _e.ConnectionBlockedTimeout):
         return BrokerBlocked(
-            f"the broker blocked this connection (a resource alarm) for too long while {doing}"
+            f"the broker blocked this connection (a resource alarm: memory or disk) for longer "
+            f"than the blocked timeout while {doing}",
+            reason="resource alarm",
         )
-    if isinstance(exc, e.ChannelClosedByBroker):
+    if isinstance(exc, _e.ChannelClosedByBroker):
         return broker_refusal(exc.reply_code, exc.reply_text, doing=doing, permission=permission)
-    if isinstance(exc, e.ConnectionClosedByBroker):
+    if isinstance(exc, _e.ConnectionClosedByBroker):
         return broker_refusal(
             exc.reply_code, exc.reply_text, doing=doing, permission=permission, connection=True
         )
-    if isinstance(exc, e.ProbableAccessDeniedError | e.ProbableAuthenticationError):
+    if isinstance(exc, _e.ProbableAuthenticationError | _e.AuthenticationError):
         return BrokerUnavailable(
-            f"the broker refused the login while {doing}: check the user name, password and "
-            f"vhost of the URL ({type(exc).__name__})"
+            f"the broker refused the login while {doing}: check the user name and password "
+            "of the URL"
+        )
+    if isinstance(exc, _e.ProbableAccessDeniedError):
+        return BrokerUnavailable(
+            f"the broker refused the virtual host while {doing}: it does not exist, or the "
+            "user has no permissions on it"
+        )
+    if isinstance(exc, _e.NackError):
+        return NackError(
+            f"the broker nacked {len(message_ids) or 'the'} message(s) while {doing}",
+            message_ids=message_ids,
+        )
+    if isinstance(exc, _e.UnroutableError):
+        return UnroutableError(
+            f"the broker returned the message(s) as unroutable while {doing}",
+            message_ids=message_ids,
         )
     if isinstance(exc, ssl.SSLError):
         return BrokerUnavailable(f"TLS failed while {doing}: {redact(str(exc))}")
-    if isinstance(exc, e.AMQPConnectionError | e.ConnectionWrongStateError) and not isinstance(
-        exc, e.StreamLostError | e.ConnectionClosed
-    ):
-        return BrokerUnavailable(f"no connection while {doing}: {_describe(exc)}")
-    if isinstance(
-        exc,
-        e.StreamLostError
-        | e.ConnectionClosed
-        | e.ChannelWrongStateError
-        | e.ChannelClosed
-        | OSError
-        | EOFError,
-    ):
+    if isinstance(exc, _LOST):
         return ConnectionLost(f"connection lost while {doing}: {_describe(exc)}")
-    return ConnectionLost(f"{type(exc).__name__} while {doing}: {_describe(exc)}")
+    if isinstance(exc, _e.AMQPConnectionError):  # opening failed (refused, timed out, ...)
+        return BrokerUnavailable(f"no connection while {doing}: {_describe(exc)}")
+    # a protocol error, a consumer cancelled, a duplicate consumer tag: the broker's side
+    return BrokerError(f"{_describe(exc)} while {doing}")
 
 
 def _describe(exc: BaseException) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Generator
@@ -11,7 +12,7 @@ import pika
 import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
-from rabbit_delay.errors import BrokerError, MissingObjectError, MissingPluginError
+from rabbit_delay.errors import MissingPluginError
 from rabbit_delay.plan import (
     PLUGIN_HINT,
     ROUTING_PROBE_TIMEOUT_S,
@@ -31,9 +32,11 @@ from rabbit_delay.plan import (
     declare_program,
     describe,
     desired,
+    permission,
     plan_program,
 )
 from rabbit_delay.sync._connection import broker_info
+from rabbit_delay.sync._errors import CLIENT_ERRORS, mapped, translate
 from rabbit_delay.topology import Topology
 
 T = TypeVar("T")
@@ -53,8 +56,11 @@ class _Executor:
         return self._ch
 
     def close(self) -> None:
+        """Close the channel if it is still open; a lost one needs nothing (and an error
+        on the way out never hides the one that ended the program)."""
         if self._ch is not None and self._ch.is_open:
-            self._ch.close()
+            with contextlib.suppress(*CLIENT_ERRORS):
+                self._ch.close()
 
     def __call__(self, op: Operation) -> object:
         try:
@@ -69,15 +75,13 @@ class _Executor:
                 return exc.reply_text
             if isinstance(op, SupportsType) and exc.reply_code == 403:
                 return True  # the type passed the check; the reserved name was refused
-            if exc.reply_code == 404:
-                raise MissingObjectError(f"{exc.reply_text} (while {describe(op)})") from None
-            raise BrokerError(f"{exc.reply_code} {exc.reply_text} (while {describe(op)})") from None
+            raise translate(exc, doing=describe(op), permission=permission(op)) from None
         except pika.exceptions.ConnectionClosedByBroker as exc:
             if UNKNOWN_EXCHANGE_TYPE.search(exc.reply_text):  # 3.x: 503, whole connection
                 raise MissingPluginError(f"{exc.reply_text}: {PLUGIN_HINT}") from None
-            raise BrokerError(
-                f"connection closed by the broker: {exc.reply_code} {exc.reply_text}"
-            ) from None
+            raise translate(exc, doing=describe(op), permission=permission(op)) from None
+        except CLIENT_ERRORS as exc:
+            raise translate(exc, doing=describe(op), permission=permission(op)) from None
 
     def _routes_every_key(self, op: RoutesEveryKey) -> bool:
         """See plan.RoutesEveryKey: a temporary exclusive queue, deleted with its channel."""
@@ -153,7 +157,9 @@ def declare(
     observed: Observed | None = None,
 ) -> DeclareReport:
     """Declare the topology. Raises DeclarationConflict or IncompatibleBroker (nothing
-    changed), MissingPluginError, MissingObjectError or BrokerError."""
+    changed), MissingPluginError, MissingObjectError, AccessRefused (the permission
+    named), ConnectionLost (the connection went away mid-way: run it again, it is
+    idempotent) or BrokerError."""
     program = declare_program(desired(topology), observed, broker_info(connection))
     return run_program(connection, program)
 
@@ -164,7 +170,8 @@ def plan(
     """What `declare` would do, changing nothing (see plan.plan_program).
 
     Raises MissingPluginError when the topology needs a plugin the broker lacks,
-    IncompatibleBroker when the broker's version cannot hold the topology.
+    IncompatibleBroker when the broker's version cannot hold the topology, ConnectionLost
+    or AccessRefused.
     """
     program = plan_program(desired(topology), observed, broker_info(connection))
     return run_program(connection, program)
@@ -175,29 +182,28 @@ def delete_topology(connection: pika.BlockingConnection, topology: Topology) -> 
 
     For tests, demos and benchmarks, never part of normal operation (nothing else in
     rabbit-delay deletes or purges). Objects already gone are skipped. Returns what was
-    deleted, as "queue NAME" / "exchange NAME".
+    deleted, as "queue NAME" / "exchange NAME". Raises AccessRefused, ConnectionLost or
+    BrokerError.
     """
     want = desired(topology)
     deleted: list[str] = []
     specs: list[ObjectSpec] = [*want.queues, *want.exchanges]
     for spec in specs:
-        channel = connection.channel()
-        try:
-            if isinstance(spec, ExchangeSpec):
-                channel.exchange_declare(spec.name, passive=True)
-                channel.exchange_delete(spec.name)
-            else:
-                channel.queue_declare(spec.name, passive=True)
-                channel.queue_delete(spec.name)
-            deleted.append(f"{spec.kind.value} {spec.name}")
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            if exc.reply_code != 404:
-                raise BrokerError(f"{exc.reply_code} {exc.reply_text}") from None
-        except pika.exceptions.ConnectionClosedByBroker as exc:
-            raise BrokerError(
-                f"connection closed while deleting {spec.name!r}: {exc.reply_code} {exc.reply_text}"
-            ) from None
-        finally:
-            if channel.is_open:
-                channel.close()
+        doing = f"deleting {spec.kind.value} {spec.name!r}"
+        with mapped(doing, permission="configure"):
+            channel = connection.channel()
+            try:
+                if isinstance(spec, ExchangeSpec):
+                    channel.exchange_declare(spec.name, passive=True)
+                    channel.exchange_delete(spec.name)
+                else:
+                    channel.queue_declare(spec.name, passive=True)
+                    channel.queue_delete(spec.name)
+                deleted.append(f"{spec.kind.value} {spec.name}")
+            except pika.exceptions.ChannelClosedByBroker as exc:
+                if exc.reply_code != 404:
+                    raise
+            finally:
+                if channel.is_open:
+                    channel.close()
     return deleted

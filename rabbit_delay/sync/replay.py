@@ -19,10 +19,11 @@ import pika.exceptions
 import pika.spec
 from pika.adapters.blocking_connection import BlockingChannel
 
-from rabbit_delay.errors import BrokerError, ManagementUnavailable, MissingObjectError, PublishError
+from rabbit_delay.errors import ManagementUnavailable, MissingObjectError, RabbitDelayError
 from rabbit_delay.management import peek_messages
 from rabbit_delay.message import Outgoing, now_ms
 from rabbit_delay.replay import Leave, ParkedReplay, Stored, UnroutableReplay
+from rabbit_delay.sync._errors import CLIENT_ERRORS, mapped, translate
 from rabbit_delay.sync.publisher import Publisher
 from rabbit_delay.topology import Topology
 from rabbit_delay.urls import ManagementEndpoint, redact
@@ -32,6 +33,8 @@ from rabbit_delay.urls import ManagementEndpoint, redact
 PREVIEW_MAX = 1000
 VIA_API = "management API (get, requeue)"
 VIA_AMQP = "basic.get, then requeue"
+# What stops a replay run (reported in ReplayReport.error, never raised).
+_FAILURES: tuple[type[BaseException], ...] = (*CLIENT_ERRORS, RabbitDelayError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,20 +71,17 @@ class ReplayReport:
 def _passive(connection: pika.BlockingConnection, queue: str) -> PassiveCounts | None:
     """Counts of `queue`, or None when it does not exist. A 404 closes the channel, so
     each probe gets its own."""
-    try:
-        channel = connection.channel()
-        ok = channel.queue_declare(queue, passive=True)
+    with mapped(f"checking queue {queue!r} (passive declare)"):
+        try:
+            channel = connection.channel()
+            ok = channel.queue_declare(queue, passive=True)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code == 404:
+                return None
+            raise
         method = ok.method
         counts = PassiveCounts(method.message_count or 0, method.consumer_count or 0)
         channel.close()
-    except pika.exceptions.ChannelClosedByBroker as exc:
-        if exc.reply_code == 404:
-            return None
-        raise BrokerError(
-            f"{exc.reply_code} {exc.reply_text} (passive declare {queue!r})"
-        ) from None
-    except pika.exceptions.AMQPError as exc:
-        raise BrokerError(f"connection to the broker failed: {redact(repr(exc))}") from None
     return counts
 
 
@@ -90,7 +90,8 @@ def passive_counts(
 ) -> dict[str, PassiveCounts | None]:
     """Live ready-message and consumer counts per queue (None: the queue does not exist).
 
-    Raises BrokerError when the broker refuses a probe for another reason (e.g. 403).
+    Raises ConnectionLost when the connection goes away, AccessRefused / BrokerError
+    when the broker refuses a probe for another reason.
     """
     return {queue: _passive(connection, queue) for queue in queues}
 
@@ -125,11 +126,13 @@ def peek(connection: pika.BlockingConnection, queue: str, count: int) -> list[St
 
     The fallback when the management API cannot peek: basic.get holding each message
     unacked (so the next get returns the next one), then one multiple nack with requeue.
-    Raises MissingObjectError when the queue does not exist.
+    Raises MissingObjectError when the queue does not exist, ConnectionLost or
+    AccessRefused.
     """
     _require(connection, queue, "queue")
     found: list[Stored] = []
-    try:
+    # Whatever was held unacked goes back to the queue with the channel, if it is lost.
+    with mapped(f"peeking at queue {queue!r}", permission="read"):
         channel = connection.channel()
         try:
             for _ in range(count):
@@ -143,9 +146,6 @@ def peek(connection: pika.BlockingConnection, queue: str, count: int) -> list[St
                     # A multiple nack: RabbitMQ 4.3 does not count it towards a delivery limit.
                     channel.basic_nack(0, multiple=True, requeue=True)
                 channel.close()
-    except pika.exceptions.AMQPError as exc:
-        # Whatever was held unacked goes back to the queue with the channel.
-        raise BrokerError(f"connection to the broker failed: {redact(repr(exc))}") from None
     return found
 
 
@@ -365,7 +365,7 @@ def _move(
                 continue
             try:
                 publisher.publish_outgoing((out,))
-            except (PublishError, BrokerError) as exc:
+            except RabbitDelayError as exc:
                 channel.basic_nack(tag, multiple=False, requeue=True)
                 held -= 1
                 report.error = (
@@ -380,17 +380,19 @@ def _move(
             report.moved.append(moved)
             if progress is not None:
                 progress(moved)
-    except (pika.exceptions.AMQPError, BrokerError) as exc:
+    except _FAILURES as exc:
         # Unsettled messages go back to the queue (nacked below, or with the channel).
+        error = translate(exc, doing=f"moving messages from {source!r}", permission="read")
         report.error = (
-            f"stopped after {len(report.moved)} message(s): {redact(str(exc) or repr(exc))}; "
+            f"stopped after {len(report.moved)} message(s): {redact(str(error))}; "
             f"the message in flight is back in {source!r}"
         )
     finally:
         if publisher is not None:
-            publisher.close()
+            with contextlib.suppress(*CLIENT_ERRORS, RabbitDelayError):
+                publisher.close()
         if channel is not None and channel.is_open:
-            with contextlib.suppress(pika.exceptions.AMQPError):
+            with contextlib.suppress(*CLIENT_ERRORS):
                 if held:
                     # One multiple nack: RabbitMQ 4.3 does not count it towards a delivery
                     # limit (a message left in place is not a failed delivery).

@@ -35,6 +35,7 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from functools import partial
@@ -77,9 +78,10 @@ from rabbit_delay.errors import (
     RabbitDelayError,
 )
 from rabbit_delay.idempotency import ClaimResult, Guard
-from rabbit_delay.sync._connection import broker_info, connect
+from rabbit_delay.sync._connection import broker_info, close_quietly, connect_first
+from rabbit_delay.sync._errors import CLIENT_ERRORS, mapped
 from rabbit_delay.sync.declarer import declare as declare_topology
-from rabbit_delay.sync.publisher import Publisher
+from rabbit_delay.sync.publisher import WORKER_BLOCKED_TIMEOUT_S, Publisher
 from rabbit_delay.urls import redact
 
 log = logging.getLogger("rabbit_delay.worker")
@@ -90,15 +92,11 @@ POLL_S = 0.2  # how often the connection thread looks at the stop flag when idle
 # waits for the whole batch before its handler, or its ack); smaller batches let the
 # first acks go out, and the next deliveries come in, while the rest is stored.
 STORE_BATCH = 64
-_CONNECTION_ERRORS = (
-    pika.exceptions.AMQPConnectionError,
-    pika.exceptions.ConnectionClosed,
-    pika.exceptions.ChannelClosed,  # the consuming channel closed by the broker
-    pika.exceptions.ChannelWrongStateError,
-    pika.exceptions.StreamLostError,
-    BrokerUnavailable,
-    OSError,
-)
+# What ends a connection's loop: any client error (a lost connection, the consuming
+# channel closed by the broker, ...) and a lost connection the map already translated.
+_CONNECTION_ERRORS: tuple[type[BaseException], ...] = (*CLIENT_ERRORS, BrokerUnavailable)
+# What a reconnect round may meet: the next node may lack the topology, refuse the user...
+_RECONNECT_ERRORS: tuple[type[BaseException], ...] = (RabbitDelayError, *CLIENT_ERRORS)
 
 
 class _Back(Enum):
@@ -128,16 +126,21 @@ class Worker(WorkerBase):
     the worker needs read permission on its queues and write permission on the tier
     and parking exchanges (for retries and parked messages), nothing more.
 
-    Raises ConfigError at construction for a handler it cannot run (async def) or an
-    unknown queue; `run()` raises BrokerUnavailable / MissingObjectError when it cannot
-    start. After a successful start, lost connections are re-opened with backoff.
+    Raises ConfigError at construction for a handler it cannot run (async def), an
+    unknown queue or a malformed URL list; `run()` raises BrokerUnavailable (every URL
+    tried, and why), MissingObjectError, AccessRefused, IncompatibleBroker or
+    DeclarationConflict when it cannot start. After a successful start, lost
+    connections are re-opened with backoff, over every URL (see WorkerBase).
     """
 
     transport = Transport.SYNC
     default_concurrency = 4
 
     def __init__(
-        self, app: App, url: str | None = None, **settings: Unpack[WorkerSettings]
+        self,
+        app: App,
+        url: str | Sequence[str] | None = None,
+        **settings: Unpack[WorkerSettings],
     ) -> None:
         super().__init__(app, url, **settings)
         self._guard: Guard | None = app.guard() if self.guarded else None
@@ -243,30 +246,37 @@ class Worker(WorkerBase):
             exc = reason
         return redact(repr(exc))
 
-    def _open(self) -> None:
-        conn = connect(self.url, name=self.name)
+    def _open(self, urls: tuple[str, ...] | None = None) -> None:
+        """Connect to the first of `urls` (default: all, in order) that answers, check the
+        broker and the queues, and consume. Raises the error tree's classes only."""
+        conn, url = connect_first(
+            urls or self.urls, name=self.name, settings=self.connection_settings
+        )
         try:
             broker = broker_info(conn)
             self.check_broker(broker)
-            if self.declare:
+            if self.declare and not self.ever_started:  # at start only: see connections.md
                 declare_topology(conn, self.app.topology)
             queue_names = self.queue_names()
             for queue_name in queue_names:
                 _check_queue(conn, queue_name)
-            channel = conn.channel()
-            channel.basic_qos(prefetch_count=self.prefetch)
-            channel.add_on_cancel_callback(self._on_cancel)
-            self._publisher = Publisher(self.app.topology, connection=conn)
-            self._conn, self._channel, self._broker = conn, channel, broker
-            self._tracker = AckTracker()  # one per channel: tags never outlive their channel
-            self._new_channel()
-            self._resubscribe = []
-            for consumer in self.consumers:
-                self._consume(channel, consumer)
+            with mapped(f"starting to consume {', '.join(queue_names)}", permission="read"):
+                channel = conn.channel()
+                channel.basic_qos(prefetch_count=self.prefetch)
+                channel.add_on_cancel_callback(self._on_cancel)
+                self._publisher = Publisher(
+                    self.app.topology, connection=conn, blocked_timeout=WORKER_BLOCKED_TIMEOUT_S
+                ).open()
+                self._conn, self._channel, self._broker = conn, channel, broker
+                self.url = url
+                self._tracker = AckTracker()  # one per channel: tags never outlive their channel
+                self._new_channel()
+                self._resubscribe = []
+                for consumer in self.consumers:
+                    self._consume(channel, consumer)
         except BaseException:
             self._conn = self._channel = self._publisher = None
-            if conn.is_open:
-                _quietly(conn.close)
+            close_quietly(conn)
             raise
         self.started.set()
         self.ever_started = True
@@ -303,23 +313,25 @@ class Worker(WorkerBase):
         self._close_connection()
 
     def _reconnect(self) -> None:
+        """Open a new connection, with backoff between rounds; each round tries the URLs
+        after the lost one first (a dead node last)."""
         delays = self.reconnect_delays()
+        order = self.reconnect_order()
         while not self._stop.is_set():
             try:
-                self._open()
-            except (RabbitDelayError, *_CONNECTION_ERRORS) as exc:
+                self._open(order)
+            except _RECONNECT_ERRORS as exc:
                 delay = next(delays)
-                log.warning("reconnect failed (%s); next try in %.1fs", redact(str(exc)), delay)
+                self.log_reconnect_failed(str(exc) or repr(exc), delay)
                 self._stop.wait(delay)
             else:
-                log.info("reconnected to %s", redact(self.url))
+                self.log_reconnected()
                 return
 
     def _close_connection(self) -> None:
         conn, self._conn, self._channel, self._publisher = self._conn, None, None, None
         self._resubscribe = []
-        if conn is not None and conn.is_open:
-            _quietly(conn.close)
+        close_quietly(conn)
 
     def _shutdown(self) -> None:
         """Cancel consumers, let in-flight handlers finish (up to the timeout), close."""
@@ -438,7 +450,11 @@ class Worker(WorkerBase):
         try:
             if self._publisher is None:
                 assert self._conn is not None
-                self._publisher = Publisher(self.app.topology, connection=self._conn)
+                self._publisher = Publisher(
+                    self.app.topology,
+                    connection=self._conn,
+                    blocked_timeout=WORKER_BLOCKED_TIMEOUT_S,
+                ).open()
             self._publisher.publish_outgoing((step.outgoing,))
         except (PublishError, BrokerError) as exc:
             if isinstance(exc, BrokerError):  # its channel is gone: open another next time
@@ -679,21 +695,20 @@ class Worker(WorkerBase):
 
 def _check_queue(conn: pika.BlockingConnection, queue_name: str) -> None:
     """Passive declare on a throwaway channel: needs no configure permission."""
-    channel = conn.channel()
-    try:
-        channel.queue_declare(queue_name, passive=True)
-    except pika.exceptions.ChannelClosedByBroker as exc:
-        if exc.reply_code == 404:
+    with mapped(f"checking queue {queue_name!r}"):
+        channel = conn.channel()
+        try:
+            channel.queue_declare(queue_name, passive=True)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code != 404:
+                raise
             raise MissingObjectError(
                 f"queue {queue_name!r} does not exist on the broker: declare the topology "
                 "(`rabbit-delay declare`), or start the worker with --declare"
             ) from None
-        raise BrokerError(
-            f"cannot use queue {queue_name!r}: {exc.reply_code} {exc.reply_text}"
-        ) from None
-    _quietly(channel.close)
+        _quietly(channel.close)
 
 
 def _quietly(close: Any) -> None:
-    with contextlib.suppress(pika.exceptions.AMQPError, OSError):
+    with contextlib.suppress(*CLIENT_ERRORS):
         close()

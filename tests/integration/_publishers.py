@@ -72,12 +72,12 @@ class _SyncPublisher:
         from rabbit_delay.sync import Publisher
 
         self.sends = 0
-        self._publisher = Publisher(topology, url)
+        self._publisher = Publisher.connect(topology, url)
         send = self._publisher._send
 
-        def counting(out: Any) -> None:
+        def counting(out: Any) -> int:
             self.sends += 1
-            send(out)
+            return send(out)
 
         self._publisher._send = counting  # type: ignore[method-assign]
 

@@ -10,7 +10,11 @@ import pytest
 import rabbit_delay
 
 EXPECTED = {
+    "AccessRefused",
     "ArgumentConflict",
+    "BrokerBlocked",
+    "ConnectionLost",
+    "UnconfirmedError",
     "AsyncPublisher",
     "BrokerError",
     "BrokerUnavailable",
