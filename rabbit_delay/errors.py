@@ -203,7 +203,6 @@ class DecodeError(RabbitDelayError, ValueError):
 _RESOURCE = re.compile(r"(?:access to |no )(?P<what>(?:queue|exchange|vhost) '[^']*')")
 # RabbitMQ names the permission it checked: "write access to queue 'q' in vhost ..."
 _PERMISSION = re.compile(r"\b(?P<permission>configure|write|read) access to ")
-_USE = ("read", "write")
 
 
 def broker_refusal(
@@ -227,10 +226,10 @@ def broker_refusal(
         resource = found["what"] if found else ""
         stated = _PERMISSION.search(text)
         # The broker's word wins (a bind needs write on one side, read on the other),
-        # except "configure" for an operation that needs read or write: that is a
-        # passive declare, which RabbitMQ 4.3 refuses in those words to a user with no
-        # permission at all on the object, though any one of the three passes it.
-        if stated and not (stated["permission"] == "configure" and permission in _USE):
+        # except "configure" for an operation that needs read (a consumer's queue
+        # check): that is a passive declare, which RabbitMQ 4.3 refuses in those words
+        # to a user with no permission at all on the object, though read passes it.
+        if stated and not (stated["permission"] == "configure" and permission == "read"):
             permission = stated["permission"]
         need = f"; the user needs {permission!r} permission" if permission else ""
         on = f" on {resource}" if resource and permission else ""

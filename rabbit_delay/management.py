@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 TIMEOUT_S = 5.0
 # The 401 reason RabbitMQ gives a user without the management/monitoring tag (3.x and 4.x).
 NOT_MANAGEMENT_USER = "Not management user"
+# ... and to a management user asking for an administrator's resource (none is read here).
+NOT_ADMINISTRATOR = "Not administrator user"
 NO_TAG_FIX = (
     "least-privilege users normally have none; give the user the `monitoring` tag "
     "(`rabbitmqctl set_user_tags USER monitoring`), or pass --management-url with a user "
@@ -93,10 +95,11 @@ def _refused(
     where = f"the management API at {redact(endpoint.base)}"
     if reason.startswith("ACCESS_REFUSED"):
         return broker_refusal(403, reason, doing=f"{doing} via {where}", permission=permission)
-    if status == 403 or reason in (NOT_MANAGEMENT_USER, "Not administrator user"):
+    if status == 403 or reason in (NOT_MANAGEMENT_USER, NOT_ADMINISTRATOR):
+        tag = "`administrator`" if reason == NOT_ADMINISTRATOR else "`management` or `monitoring`"
         return ManagementRefused(
             f"{where}: user {endpoint.username!r} may not use it (HTTP {status}: {reason}); it "
-            f"needs the `management` or `monitoring` tag: {NO_TAG_FIX}",
+            f"needs the {tag} tag: {NO_TAG_FIX}",
             refusal=Refusal.NO_TAG,
             status=status,
         )

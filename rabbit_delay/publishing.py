@@ -9,10 +9,11 @@ only send, wait and reconnect as told.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Generic, TypedDict, TypeVar
 
 from rabbit_delay import names as h
 from rabbit_delay._confirms import (
@@ -23,6 +24,8 @@ from rabbit_delay._confirms import (
     Recovery,
     State,
     confirm_failure,
+    log_lost,
+    recoverable,
     seconds,
 )
 from rabbit_delay.connection import ConnectionSettings
@@ -64,6 +67,9 @@ DEFAULT_WINDOW = 256
 # a backstop for a wait that cannot end by itself (a socket buffer full of unread data).
 BLOCKED_BACKSTOP_S = 2.0
 URLs = str | Sequence[str]
+# What a call returns: the ids themselves (pika), or a coroutine of them (aio-pika).
+OneT = TypeVar("OneT")
+ManyT = TypeVar("ManyT")
 
 
 class PublisherOptions(TypedDict, total=False):
@@ -77,11 +83,14 @@ class PublisherOptions(TypedDict, total=False):
     blocked_timeout: DurationLike | None
 
 
-class PublisherCore:
-    """What both publishers decide: options, `publish_delayed` / `publish_many`
-    arguments turned into `Outgoing` messages (or refused), how a call ends, metrics.
+class PublisherCore(Generic[OneT, ManyT]):
+    """What both publishers decide: options, `publish_delayed` / `publish_many` (their
+    arguments turned into `Outgoing` messages, or refused), how a call ends, metrics.
 
-    The sync and async publishers inherit this and only send, wait and reconnect.
+    The sync and async publishers inherit this and only implement `publish_outgoing`
+    (send and wait, reconnect) and `_publish_one`: `PublisherCore[str, list[str]]` for
+    pika, `PublisherCore[Coroutine[..., str], Coroutine[..., list[str]]]` for aio-pika,
+    whose calls are then awaited.
     """
 
     def __init__(
@@ -127,6 +136,21 @@ class PublisherCore:
         backoff = (self.settings or ConnectionSettings()).backoff
         return Recovery(self.recovery_timeout_s, backoff.delays)
 
+    def after_loss(
+        self, ledger: Ledger, recovery: Recovery | None, error: RabbitDelayError
+    ) -> Recovery:
+        """A call met `error`. Raise it unless it is a loss this publisher recovers from
+        (a lost or unreachable broker, on a connection it owns); else every
+        sent-unconfirmed message is to be sent again, and the outage (deadline, backoff)
+        is returned for the transport to reconnect by."""
+        if not (self.owns_connection and recoverable(error)):
+            raise error
+        ledger.channel_lost()
+        recovery = recovery if recovery is not None else self.recovery()
+        recovery.lost(time.monotonic(), ledger.confirmed)
+        log_lost(error, ledger, recovery)
+        return recovery
+
     def finish(self, ledger: Ledger, error: RabbitDelayError | None = None) -> list[str]:
         """The end of a call: its ids once every message is confirmed; else the one
         error (UnroutableError / NackError / UnconfirmedError / BrokerBlocked naming
@@ -153,6 +177,71 @@ class PublisherCore:
                 metrics.publish_error(target, error)
         for (target, tier), count in sent.items():
             metrics.published(target, tier, count)
+
+    # -- the public calls: arguments handled here, sending by the transport ---------------
+
+    def publish_outgoing(self, messages: Iterable[Outgoing]) -> ManyT:
+        """Publish prepared messages with up to `window` unconfirmed at once; the ids
+        once every one is confirmed.
+
+        Raises UnroutableError / NackError naming exactly the returned / nacked ids (the
+        others were confirmed); UnconfirmedError (or BrokerBlocked) naming exactly the
+        ids with no confirm; AccessRefused (403), MissingObjectError (404).
+        """
+        raise NotImplementedError
+
+    def _publish_one(self, out: Outgoing) -> OneT:
+        raise NotImplementedError
+
+    def publish_delayed(
+        self,
+        msg: Body,
+        tier: str | None = None,
+        *,
+        queue: str | None = None,
+        routing_key: str | None = None,
+        delay: DelayLike | None = None,
+        at: datetime | None = None,
+        message_id: str | None = None,
+        headers: Mapping[str, object] | None = None,
+    ) -> OneT:
+        """Publish one message due after `tier` (or `delay`, or at `at`); its message_id
+        once the broker confirmed it.
+
+        Raises DelayError / UnknownTargetError / EncodeError when called, before anything
+        is sent; otherwise what publish_outgoing raises.
+        """
+        out = self.prepare(
+            msg,
+            tier,
+            queue=queue,
+            routing_key=routing_key,
+            delay=delay,
+            at=at,
+            message_id=message_id,
+            headers=headers,
+        )
+        return self._publish_one(out)
+
+    def publish_many(
+        self,
+        messages: Iterable[Body],
+        tier: str | None = None,
+        *,
+        queue: str | None = None,
+        routing_key: str | None = None,
+        delay: DelayLike | None = None,
+        at: datetime | None = None,
+    ) -> ManyT:
+        """Publish many messages to one target and delay, confirms pipelined; the ids in
+        order. Every message is validated and encoded when called, before the first is
+        sent; otherwise what publish_outgoing raises."""
+        prepared = self.prepare_many(
+            messages, tier, queue=queue, routing_key=routing_key, delay=delay, at=at
+        )
+        return self.publish_outgoing(prepared)
+
+    # -- validating and encoding -----------------------------------------------------------
 
     def prepare_many(
         self,

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Coroutine, Iterable
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Self, Unpack
@@ -33,7 +33,6 @@ from rabbit_delay._confirms import (
     Ledger,
     Recovery,
     State,
-    log_lost,
     log_recovered,
     recoverable,
     recovery_failed,
@@ -42,10 +41,9 @@ from rabbit_delay.aio._connection import close_quietly, connect_first, plain_cha
 from rabbit_delay.aio._errors import mapped
 from rabbit_delay.connection import ConnectionSettings, failover_order
 from rabbit_delay.errors import RabbitDelayError
-from rabbit_delay.message import Body, Outgoing
+from rabbit_delay.message import Outgoing
 from rabbit_delay.publishing import (
     WORKER_BLOCKED_TIMEOUT_S,
-    DelayLike,
     PublisherCore,
     PublisherOptions,
     URLs,
@@ -114,7 +112,7 @@ def blocked_state(connection: AbstractConnection) -> _Blocked:
     return state
 
 
-class AsyncPublisher(PublisherCore):
+class AsyncPublisher(PublisherCore[Coroutine[Any, Any, str], Coroutine[Any, Any, list[str]]]):
     """`publish_delayed` on an aio-pika connection (the same API as the sync Publisher).
 
     `await AsyncPublisher.connect(topology, url)` returns an open publisher owning its
@@ -238,13 +236,7 @@ class AsyncPublisher(PublisherCore):
         )
 
     async def publish_outgoing(self, messages: Iterable[Outgoing]) -> list[str]:
-        """Publish prepared messages with up to `window` unconfirmed at once; the ids
-        once every one is confirmed.
-
-        Raises UnroutableError / NackError naming exactly the returned / nacked ids (the
-        others were confirmed); UnconfirmedError (or BrokerBlocked) naming exactly the
-        ids with no confirm; AccessRefused (403), MissingObjectError (404).
-        """
+        # the one of PublisherCore, documented there: send, wait, recover
         ledger = self.ledger(messages)
         error: RabbitDelayError | None = None
         try:
@@ -267,13 +259,7 @@ class AsyncPublisher(PublisherCore):
                     await self._run(ledger)
                 return
             except RabbitDelayError as exc:
-                if not (self.owns_connection and recoverable(exc)):
-                    raise
-                ledger.channel_lost()
-                if recovery is None:
-                    recovery = self.recovery()
-                recovery.lost(time.monotonic(), ledger.confirmed)
-                log_lost(exc, ledger, recovery)
+                recovery = self.after_loss(ledger, recovery, exc)
                 await self._reconnect(recovery, exc, generation)
 
     async def _reconnect(
@@ -360,53 +346,8 @@ class AsyncPublisher(PublisherCore):
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-    # -- the public calls (arguments handled by PublisherCore) ---------------------------
-
-    async def publish_delayed(
-        self,
-        msg: Body,
-        tier: str | None = None,
-        *,
-        queue: str | None = None,
-        routing_key: str | None = None,
-        delay: DelayLike | None = None,
-        at: datetime | None = None,
-        message_id: str | None = None,
-        headers: Mapping[str, object] | None = None,
-    ) -> str:
-        """Publish one message; its message_id once confirmed.
-
-        Raises DelayError / UnknownTargetError / EncodeError before sending; otherwise
-        what publish_outgoing raises.
-        """
-        out = self.prepare(
-            msg,
-            tier,
-            queue=queue,
-            routing_key=routing_key,
-            delay=delay,
-            at=at,
-            message_id=message_id,
-            headers=headers,
-        )
+    async def _publish_one(self, out: Outgoing) -> str:
         return (await self.publish_outgoing((out,)))[0]
-
-    async def publish_many(
-        self,
-        messages: Iterable[Body],
-        tier: str | None = None,
-        *,
-        queue: str | None = None,
-        routing_key: str | None = None,
-        delay: DelayLike | None = None,
-        at: datetime | None = None,
-    ) -> list[str]:
-        """Publish many messages to one target and delay, confirms pipelined; the ids in
-        order. Every message is validated and encoded before the first is sent."""
-        prepared = self.prepare_many(
-            messages, tier, queue=queue, routing_key=routing_key, delay=delay, at=at
-        )
-        return await self.publish_outgoing(prepared)
 
 
 __all__ = ["WORKER_BLOCKED_TIMEOUT_S", "AsyncPublisher", "blocked_state"]

@@ -663,7 +663,7 @@ class _StoreBatches:
 
 async def _check_queue(connection: AbstractConnection, queue_name: str) -> None:
     """Passive declare on a throwaway channel: needs no configure permission."""
-    with mapped(f"checking queue {queue_name!r}"):
+    with mapped(f"checking queue {queue_name!r}", permission="read"):
         channel = await connection.channel(publisher_confirms=False)
         try:
             await channel.declare_queue(queue_name, passive=True)

@@ -15,9 +15,8 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import replace
-from datetime import datetime
 from types import TracebackType
 from typing import Any, Self, Unpack
 
@@ -31,18 +30,16 @@ from rabbit_delay._confirms import (
     BlockedState,
     Ledger,
     Recovery,
-    log_lost,
     log_recovered,
     recoverable,
     recovery_failed,
 )
 from rabbit_delay.connection import ConnectionSettings, failover_order
 from rabbit_delay.errors import BrokerBlocked, RabbitDelayError
-from rabbit_delay.message import Body, Outgoing
+from rabbit_delay.message import Outgoing
 from rabbit_delay.publishing import (
     BLOCKED_BACKSTOP_S,
     WORKER_BLOCKED_TIMEOUT_S,
-    DelayLike,
     PublisherCore,
     PublisherOptions,
     URLs,
@@ -82,7 +79,7 @@ def blocked_state(connection: pika.BlockingConnection) -> BlockedState:
     return state
 
 
-class Publisher(PublisherCore):
+class Publisher(PublisherCore[str, list[str]]):
     """`publish_delayed` on a blocking pika connection (the same API as AsyncPublisher).
 
     `Publisher.connect(topology, url)` returns an open publisher owning its connection;
@@ -231,13 +228,7 @@ class Publisher(PublisherCore):
         return tag
 
     def publish_outgoing(self, messages: Iterable[Outgoing]) -> list[str]:
-        """Publish prepared messages with up to `window` unconfirmed at once; the ids
-        once every one is confirmed.
-
-        Raises UnroutableError / NackError naming exactly the returned / nacked ids (the
-        others were confirmed); UnconfirmedError (or BrokerBlocked) naming exactly the
-        ids with no confirm; AccessRefused (403), MissingObjectError (404).
-        """
+        # the one of PublisherCore, documented there: send, wait, recover
         ledger = self.ledger(messages)
         error: RabbitDelayError | None = None
         try:
@@ -262,13 +253,7 @@ class Publisher(PublisherCore):
                     raise self._blocked.error(self.blocked_timeout_s) from None
                 raise
             except RabbitDelayError as exc:
-                if not (self.owns_connection and recoverable(exc)):
-                    raise
-                ledger.channel_lost()
-                if recovery is None:
-                    recovery = self.recovery()
-                recovery.lost(time.monotonic(), ledger.confirmed)
-                log_lost(exc, ledger, recovery)
+                recovery = self.after_loss(ledger, recovery, exc)
                 self._reconnect(recovery, exc)
 
     def _reconnect(self, recovery: Recovery, error: RabbitDelayError) -> None:
@@ -346,54 +331,8 @@ class Publisher(PublisherCore):
             if timer is not None:
                 ioloop.remove_timeout(timer)
 
-    # -- the public calls (arguments handled by PublisherCore) ---------------------------
-
-    def publish_delayed(
-        self,
-        msg: Body,
-        tier: str | None = None,
-        *,
-        queue: str | None = None,
-        routing_key: str | None = None,
-        delay: DelayLike | None = None,
-        at: datetime | None = None,
-        message_id: str | None = None,
-        headers: Mapping[str, object] | None = None,
-    ) -> str:
-        """Publish one message due after `tier` (or `delay`, or at `at`); its message_id
-        once the broker confirmed it.
-
-        Raises DelayError / UnknownTargetError / EncodeError before sending; otherwise
-        what publish_outgoing raises.
-        """
-        out = self.prepare(
-            msg,
-            tier,
-            queue=queue,
-            routing_key=routing_key,
-            delay=delay,
-            at=at,
-            message_id=message_id,
-            headers=headers,
-        )
+    def _publish_one(self, out: Outgoing) -> str:
         return self.publish_outgoing((out,))[0]
-
-    def publish_many(
-        self,
-        messages: Iterable[Body],
-        tier: str | None = None,
-        *,
-        queue: str | None = None,
-        routing_key: str | None = None,
-        delay: DelayLike | None = None,
-        at: datetime | None = None,
-    ) -> list[str]:
-        """Publish many messages to one target and delay, confirms pipelined; the ids in
-        order. Every message is validated and encoded before the first is sent."""
-        prepared = self.prepare_many(
-            messages, tier, queue=queue, routing_key=routing_key, delay=delay, at=at
-        )
-        return self.publish_outgoing(prepared)
 
 
 __all__ = ["WORKER_BLOCKED_TIMEOUT_S", "Publisher", "blocked_state"]

@@ -695,7 +695,7 @@ class Worker(WorkerBase):
 
 def _check_queue(conn: pika.BlockingConnection, queue_name: str) -> None:
     """Passive declare on a throwaway channel: needs no configure permission."""
-    with mapped(f"checking queue {queue_name!r}"):
+    with mapped(f"checking queue {queue_name!r}", permission="read"):
         channel = conn.channel()
         try:
             channel.queue_declare(queue_name, passive=True)

@@ -42,7 +42,8 @@ from rabbit_delay.urls import MANAGEMENT_URL_ENV, URL_ENV, redact
 from ._scratch_node import ScratchNode, scratch_kind
 from .workers.harness import RunningWorker
 
-pytestmark = pytest.mark.integration
+# The two scratch nodes are module-scoped: one pair for the run under `--dist loadgroup`.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("failover-nodes")]
 
 load_commands()
 
