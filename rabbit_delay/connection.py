@@ -183,6 +183,13 @@ def _innermost(exc: BaseException) -> BaseException:
     return last
 
 
+def parts_scheme(url: str) -> str:
+    try:
+        return urlsplit(url).scheme.lower()
+    except ValueError:
+        return ""
+
+
 def describe_failure(url: str, exc: BaseException) -> str:
     """Why connecting to `url` failed and what to fix: one line, password redacted,
     without the client library's class names where the cause is known."""
@@ -215,6 +222,14 @@ def describe_failure(url: str, exc: BaseException) -> str:
     if cause is Cause.TLS:
         said = describe_tls_error(exc) or f"the TLS handshake failed ({redact(str(exc))})"
         return f"TLS with {host}:{port}: {said}"
+    if cause is Cause.PROTOCOL and parts_scheme(url) == "amqps" and "certfile=" in url:
+        # TLS 1.3: the broker checks our certificate after our side of the handshake is
+        # done, and its alert can be lost in the close (pika then sees a bare EOF)
+        return (
+            f"{host}:{port} closed the TLS connection right after the handshake: the broker "
+            "most likely refused our client certificate (it must be signed by a CA the "
+            "broker trusts: ssl_options.cacertfile on the broker)"
+        )
     if cause is Cause.PROTOCOL:
         return (
             f"{host}:{port} closed the connection without speaking AMQP: is it RabbitMQ's "

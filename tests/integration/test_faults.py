@@ -139,6 +139,11 @@ class Drain(Collector):
             self.indexes[props.message_id or ""] = int(json.loads(body)["i"])
         super()._on_message(ch, method, props, body)
 
+    def snapshot(self) -> dict[str, int]:
+        """A copy of `indexes` taken under the lock (the consumer thread adds to it)."""
+        with self._lock:
+            return dict(self.indexes)
+
 
 # -- publishing through either transport --------------------------------------------------------
 
@@ -259,7 +264,7 @@ def test_kill_9_during_publish_many_loses_no_confirmed_message(
         named = set(unconfirmed)
 
         def all_confirmed_arrived() -> bool:
-            seen = {i for m, i in drain.indexes.items() if m not in named}
+            seen = {i for m, i in drain.snapshot().items() if m not in named}
             return len(seen) + len(named) >= KILL_N
 
         with contextlib.suppress(AssertionError):
@@ -267,7 +272,7 @@ def test_kill_9_during_publish_many_loses_no_confirmed_message(
         wait_until(lambda: queues_empty(node.url, topology), 20, "the queues to drain")
         time.sleep(0.3)  # the last acks
         received = drain.received
-        indexes = dict(drain.indexes)
+        indexes = drain.snapshot()
 
     by_index: dict[int, set[str]] = {}
     for message_id, i in indexes.items():
