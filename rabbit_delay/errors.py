@@ -247,3 +247,19 @@ def broker_refusal(
         # 320 CONNECTION_FORCED: closed by an operator or a node shutting down
         return ConnectionLost(f"connection closed by the broker while {doing}: {reply}")
     return BrokerError(f"closed by the broker while {doing}: {reply}")
+
+
+def for_publishes(error: RabbitDelayError, message_ids: Sequence[str]) -> RabbitDelayError:
+    """`error` as it concerns publishes still waiting for their confirms (`message_ids`):
+    a lost connection leaves them unconfirmed (UnconfirmedError), a block names them."""
+    if not message_ids:
+        return error
+    if isinstance(error, BrokerBlocked):
+        return BrokerBlocked(str(error), message_ids=message_ids, reason=error.reason)
+    if isinstance(error, ConnectionLost):
+        return UnconfirmedError(
+            f"{len(message_ids)} message(s) not confirmed: {error}; publish them again "
+            "with the same message ids",
+            message_ids=message_ids,
+        )
+    return error

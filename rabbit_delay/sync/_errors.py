@@ -22,9 +22,9 @@ from rabbit_delay.errors import (
     ConnectionLost,
     NackError,
     RabbitDelayError,
-    UnconfirmedError,
     UnroutableError,
     broker_refusal,
+    for_publishes,
 )
 from rabbit_delay.urls import redact
 
@@ -64,15 +64,7 @@ def translate(
     if isinstance(exc, RabbitDelayError):
         return exc
     error = _translate(exc, doing=doing, permission=permission, message_ids=message_ids)
-    if message_ids and isinstance(error, BrokerBlocked):
-        return BrokerBlocked(str(error), message_ids=message_ids, reason=error.reason)
-    if message_ids and isinstance(error, ConnectionLost):
-        return UnconfirmedError(
-            f"{len(message_ids)} message(s) not confirmed: {error}; publish them again "
-            "with the same message ids",
-            message_ids=message_ids,
-        )
-    return error
+    return for_publishes(error, message_ids)
 
 
 def _translate(
