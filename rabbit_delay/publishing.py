@@ -120,6 +120,7 @@ class PublisherCore(Generic[OneT, ManyT]):
         self.window = window
         # A borrowed connection is its owner's to reconnect: the publisher only raises.
         self.owns_connection = not borrowed
+        self._url_in_use: str | None = None  # the node its own connection is open to
         self.recovery_timeout_s = seconds(recovery_timeout, "recovery_timeout")
         if blocked_timeout is None:
             blocked_timeout = (
@@ -128,6 +129,13 @@ class PublisherCore(Generic[OneT, ManyT]):
         self.blocked_timeout_s = seconds(blocked_timeout, "blocked_timeout")
 
     # -- one call --------------------------------------------------------------------------
+
+    @property
+    def connected_url(self) -> str | None:
+        """The URL of the node this publisher's own connection is open to (after a
+        failover, the node it moved to); None before it connected, or on a borrowed
+        connection. Contains the password: redact it before showing it."""
+        return self._url_in_use
 
     def ledger(self, messages: Iterable[Outgoing]) -> Ledger:
         return Ledger(list(messages))

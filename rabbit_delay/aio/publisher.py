@@ -133,7 +133,6 @@ class AsyncPublisher(PublisherCore[Coroutine[Any, Any, str], Coroutine[Any, Any,
     ) -> None:
         super().__init__(topology, url, borrowed=connection is not None, **options)
         self.connection = connection
-        self._url_in_use: str | None = None
         self._channel: AbstractChannel | None = None
         self._owner: AbstractAioChannel | None = None  # the aio-pika channel owning `_channel`
         self._opening = asyncio.Lock()

@@ -99,7 +99,6 @@ class Publisher(PublisherCore[str, list[str]]):
     ) -> None:
         super().__init__(topology, url, borrowed=connection is not None, **options)
         self.connection = connection
-        self._url_in_use: str | None = None
         self._channel: BlockingChannel | None = None
         self._impl: Any = None  # the non-blocking channel underneath: see module docstring
         self._next_tag = 1

@@ -29,8 +29,10 @@ from conftest import unique_namespace, wait_for
 from typer.testing import CliRunner, Result
 
 from rabbit_delay import aio
+from rabbit_delay.aio import AsyncPublisher
 from rabbit_delay.cli._app import app as cli_app
 from rabbit_delay.cli._app import load_commands
+from rabbit_delay.connection import Backoff, ConnectionSettings
 from rabbit_delay.consumer import App, HandlerContext
 from rabbit_delay.errors import BrokerUnavailable, ConnectionLost, RabbitDelayError
 from rabbit_delay.idempotency import MemoryStore
@@ -224,14 +226,26 @@ def test_workers_fail_over_to_the_next_node(pair: tuple[ScratchNode, ScratchNode
     on_a = connect(a.url, name="rd-test on A")
     loop = asyncio.new_event_loop()
     aio_on_a = loop.run_until_complete(aio.connect(a.url, name="rd-test aio on A"))
+    # publishers given both nodes, open to A when it dies: their next publish moves to B
+    fast = ConnectionSettings(backoff=Backoff(initial_s=0.05, max_s=0.5), connect_timeout_s=3)
+    sync_publisher = Publisher.connect(topology, [a.url, b.url], settings=fast)
+    async_publisher = loop.run_until_complete(
+        AsyncPublisher.connect(topology, [a.url, b.url], settings=fast)
+    )
     sync_worker.start()
     try:
         async_worker.start()
         try:
             for worker in (sync_worker, async_worker):
                 assert worker.worker.url == a.url  # the first that answers
-            seen.wait(SYNC_QUEUE, publish(a.url, topology, SYNC_QUEUE))
-            seen.wait(ASYNC_QUEUE, publish(a.url, topology, ASYNC_QUEUE))
+            seen.wait(SYNC_QUEUE, sync_publisher.publish_delayed({"n": 1}, "1s", queue=SYNC_QUEUE))
+            seen.wait(
+                ASYNC_QUEUE,
+                loop.run_until_complete(
+                    async_publisher.publish_delayed({"n": 1}, "1s", queue=ASYNC_QUEUE)
+                ),
+            )
+            assert sync_publisher.connected_url == async_publisher.connected_url == a.url
 
             killing = time.monotonic()
             a.kill()
@@ -244,8 +258,15 @@ def test_workers_fail_over_to_the_next_node(pair: tuple[ScratchNode, ScratchNode
                 )
             recovered_s = time.monotonic() - killing
             print(f"A killed in {killed_s:.2f}s; both workers on B {recovered_s:.2f}s after")
-            seen.wait(SYNC_QUEUE, publish(b.url, topology, SYNC_QUEUE))
-            seen.wait(ASYNC_QUEUE, publish(b.url, topology, ASYNC_QUEUE))
+            # the publishers find their connection to A gone, fail over to B and send there
+            seen.wait(SYNC_QUEUE, sync_publisher.publish_delayed({"n": 2}, "1s", queue=SYNC_QUEUE))
+            seen.wait(
+                ASYNC_QUEUE,
+                loop.run_until_complete(
+                    async_publisher.publish_delayed({"n": 2}, "1s", queue=ASYNC_QUEUE)
+                ),
+            )
+            assert sync_publisher.connected_url == async_publisher.connected_url == b.url
             for worker in (sync_worker, async_worker):
                 assert worker.stats.reconnects == 1
                 assert worker.error is None
@@ -258,6 +279,8 @@ def test_workers_fail_over_to_the_next_node(pair: tuple[ScratchNode, ScratchNode
             async_worker.stop()
     finally:
         sync_worker.stop()
+        sync_publisher.close()
+        loop.run_until_complete(async_publisher.close())
         with contextlib.suppress(RabbitDelayError, Exception):
             loop.run_until_complete(aio_on_a.close())
         loop.close()
