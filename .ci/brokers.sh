@@ -15,6 +15,19 @@
 #   bash .ci/brokers.sh version VERSION                 the RabbitMQ version it runs (e.g. 4.3.6)
 #   bash .ci/brokers.sh list                            nodes and whether they answer
 #   bash .ci/brokers.sh stop-all                        stop every node this script started
+#   bash .ci/brokers.sh node-name VERSION NAME          its Erlang node name (rd-43-NAME@localhost)
+#
+# Clusters: members NAME-1..NAME-N are ordinary nodes (kill, start, stop, ctl, logs work
+# on each, e.g. `kill 4.3 c-2` then `start 4.3 c-2`: it rejoins with its data).
+#   bash .ci/brokers.sh cluster-start VERSION NAME [--nodes N] [--port P] [options]
+#                       start N members (default 3) at once, join NAME-2.. to NAME-1
+#                       (stop_app, join_cluster, start_app; once), wait until all answer.
+#                       Ports P, P+10, P+20... (default: 4.0 -> 5800, 4.3 -> 5850,
+#                       host -> 5900); options as for start, given to every member.
+#   bash .ci/brokers.sh cluster-urls VERSION NAME        the members' AMQP URLs, one a line
+#   bash .ci/brokers.sh cluster-members VERSION NAME     the members' names (NAME-1...)
+#   bash .ci/brokers.sh cluster-stop VERSION NAME        graceful stop of every member
+#   bash .ci/brokers.sh cluster-rm VERSION NAME          SIGKILL every member, delete the data
 #
 # VERSION is 4.0 (Debian trixie), 4.3 (Debian sid) or host (the machine's own installed
 # rabbitmq-server, run as a scratch node). 4.x nodes run in debootstrapped Debian roots
@@ -26,6 +39,7 @@
 #                     Derived: management P+10000, distribution P+20000, CLI P+30000..P+30009.
 #   --no-management   don't enable the management plugin (boots faster)
 #   --conf LINE       extra rabbitmq.conf line (repeatable), e.g. --conf 'consumer_timeout = 5000'
+# Started again without options, a node keeps its port and the options it last started with.
 #
 # Every node listens on 127.0.0.1 only; guest may log in (from loopback, RabbitMQ's default).
 # Each root has its own epmd (4.0: 4400, 4.3: 4403; host nodes share the machine's 4369).
@@ -233,19 +247,27 @@ group_pid() { cat "$(node_dir "$1" "$2")/group.pid" 2>/dev/null; }
 start() {
     local version=$1 name=${2:-main}
     shift $(($# >= 2 ? 2 : 1))
+    local dir
+    dir=$(node_dir "$version" "$name")
+    # Started again without options (a member after `kill`): as it was started last.
+    if [ $# -eq 0 ] && [ -f "$dir/start-options" ]; then
+        local saved=()
+        mapfile -t saved <"$dir/start-options"
+        set -- "${saved[@]}"
+    fi
+    local options=("$@")
     local port="" management=1 confs=()
     while [ $# -gt 0 ]; do
         case "$1" in
-            --port) port=$2; shift 2 ;;
+            --port) [ $# -ge 2 ] || die "--port needs a port number"; port=$2; shift 2 ;;
             --no-management) management=0; shift ;;
-            --conf) confs+=("$2"); shift 2 ;;
+            --conf) [ $# -ge 2 ] || die "--conf needs a rabbitmq.conf line"; confs+=("$2"); shift 2 ;;
             *) die "unknown start option '$1'" ;;
         esac
     done
     setup "$version"
-    [ -n "$port" ] || port=$(default_port "$version")
-    local dir root uid
-    dir=$(node_dir "$version" "$name")
+    [ -n "$port" ] || port=$(cat "$dir/port" 2>/dev/null || default_port "$version")
+    local root uid
     root=$(root_of "$version")
     uid=$(uid_of "$version")
     if [ -f "$dir/port" ] && [ "$(cat "$dir/port")" = "$port" ] && answers "$version" "$name"; then
@@ -258,6 +280,8 @@ start() {
     [ -z "$root" ] || with_lock "mount-$version" mount_root "$root"
     mkdir -p "$dir/home" "$dir/data" "$dir/log"
     echo "$port" >"$dir/port"
+    if [ ${#options[@]} -gt 0 ]; then printf '%s\n' "${options[@]}" >"$dir/start-options"
+    else : >"$dir/start-options"; fi
     local cookie=$dir/home/.erlang.cookie
     if [ ! -f "$cookie" ]; then
         if [ -n "$root" ]; then cp "$root/var/lib/rd-nodes/cookie" "$cookie"
@@ -404,9 +428,113 @@ stop_all() {
     return 0
 }
 
+# -- clusters -----------------------------------------------------------------------------
+
+cluster_default_port() {
+    case "$1" in 4.0) echo 5800 ;; 4.3) echo 5850 ;; host) echo 5900 ;; esac
+}
+
+cluster_members() {  # cluster_members VERSION NAME: NAME-1, NAME-2... (those that exist)
+    local version=$1 name=$2 dir n
+    [ -n "$name" ] || die "name the cluster"
+    for dir in "$(dirname "$(node_dir "$version" x)")/$name"-*/; do
+        [ -f "$dir/port" ] || continue
+        n=$(basename "$dir")
+        n=${n#"$name"-}
+        [[ "$n" =~ ^[0-9]+$ ]] && echo "$n"
+    done | sort -n | sed "s/^/$name-/"
+}
+
+cluster_start() {
+    local version=${1:-} name=${2:-}
+    [ -n "$version" ] && [ -n "$name" ] || die "usage: cluster-start VERSION NAME [--nodes N] [--port P] [start options]"
+    shift 2
+    local nodes=3 port="" options=()
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --nodes) [ $# -ge 2 ] || die "--nodes needs a number"; nodes=$2; shift 2 ;;
+            --port) [ $# -ge 2 ] || die "--port needs a port number"; port=$2; shift 2 ;;
+            --conf) [ $# -ge 2 ] || die "--conf needs a rabbitmq.conf line"; options+=("$1" "$2"); shift 2 ;;
+            --no-management) options+=("$1"); shift ;;
+            *) die "unknown cluster-start option '$1'" ;;
+        esac
+    done
+    [[ "$nodes" =~ ^[1-9][0-9]?$ ]] || die "--nodes takes a number from 1 to 99, not '$nodes'"
+    setup "$version"  # once, before the members start in parallel
+    [ -n "$port" ] || port=$(cluster_default_port "$version")
+    local started=$SECONDS i member member_port pids=() failed=0
+    for ((i = 1; i <= nodes; i++)); do
+        member="$name-$i"
+        # A member started before keeps its port (its data names the cluster).
+        member_port=$(cat "$(node_dir "$version" "$member")/port" 2>/dev/null || echo $((port + (i - 1) * 10)))
+        start "$version" "$member" --port "$member_port" "${options[@]}" &
+        pids+=($!)
+    done
+    for i in "${pids[@]}"; do wait "$i" || failed=1; done
+    ((failed == 0)) || die "cluster $name of RabbitMQ $version: a member did not start (above); remove it with: cluster-rm $version $name"
+    say "cluster $name of RabbitMQ $version: $nodes members booted in $((SECONDS - started))s"
+    local seed joining=()
+    seed=$(node_name "$version" "$name-1")
+    for ((i = 2; i <= nodes; i++)); do
+        member="$name-$i"
+        [ "$(cat "$(node_dir "$version" "$member")/joined" 2>/dev/null)" = "$seed" ] || joining+=("$member")
+    done
+    if [ ${#joining[@]} -gt 0 ]; then
+        # stop_app and start_app (the slow part: the app and its plugins) at once on every
+        # member; the joins themselves one at a time, each a change of the seed's schema.
+        pids=()
+        for member in "${joining[@]}"; do
+            run_in "$version" "$member" rabbitmqctl -q --timeout 60 stop_app >/dev/null &
+            pids+=($!)
+        done
+        for i in "${pids[@]}"; do wait "$i" || failed=1; done
+        ((failed == 0)) || die "cluster $name of RabbitMQ $version: stop_app failed on a member"
+        for member in "${joining[@]}"; do
+            say "joining $member to $seed"
+            run_in "$version" "$member" rabbitmqctl -q --timeout 60 join_cluster "$seed" >/dev/null \
+                || die "$member could not join $seed (logs: $(node_dir "$version" "$member")/log)"
+            echo "$seed" >"$(node_dir "$version" "$member")/joined"
+        done
+        pids=()
+        for member in "${joining[@]}"; do
+            run_in "$version" "$member" rabbitmqctl -q --timeout 120 start_app >/dev/null &
+            pids+=($!)
+        done
+        for i in "${pids[@]}"; do wait "$i" || failed=1; done
+        ((failed == 0)) || die "cluster $name of RabbitMQ $version: start_app failed on a member (logs: ctl/logs)"
+    fi
+    # Each member answers and each join succeeded: one cluster (`ctl VERSION NAME-1
+    # cluster_status` shows it; a CLI call costs 1-2 s, so it is not repeated here).
+    say "cluster $name of RabbitMQ $version is up ($nodes members, $((SECONDS - started))s): $(cluster_urls "$version" "$name" | tr '\n' ' ')"
+}
+
+cluster_urls() {
+    local member
+    for member in $(cluster_members "$1" "$2"); do url "$1" "$member"; done
+}
+
+cluster_each() {  # cluster_each VERB VERSION NAME: VERB on every member at once
+    local verb=$1 version=$2 name=$3 member pids=() failed=0 pid
+    for member in $(cluster_members "$version" "$name"); do
+        "$verb" "$version" "$member" &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+    return "$failed"
+}
+
+kill_and_rm() { kill_node "$1" "$2"; rm -rf "$(node_dir "$1" "$2")"; }
+
+cluster_stop() { cluster_each stop "$1" "$2"; }
+
+cluster_rm() {  # no graceful stop: the data goes too
+    cluster_each kill_and_rm "$1" "$2"
+    with_lock "mount-$1" maybe_umount "$1"
+}
+
 mkdir -p "$RD_BROKERS_DIR/host-nodes"
 verb=${1:-}
-[ -n "$verb" ] || { sed -n '2,30p' "$0"; exit 2; }
+[ -n "$verb" ] || { sed -n '2,/^set -euo/{/^set -euo/d;p}' "$0"; exit 2; }
 shift
 case "$verb" in
     setup) for v in "$@"; do setup "$v"; done ;;
@@ -422,5 +550,11 @@ case "$verb" in
     ctl) v=$1 n=$2; shift 2; run_in "$v" "$n" rabbitmqctl "$@" ;;
     list) list ;;
     stop-all) stop_all ;;
-    *) die "unknown verb '$verb' (setup, start, stop, kill, url, management-url, ctl, rm, list, stop-all)" ;;
+    node-name) node_name "$@" ;;
+    cluster-start) cluster_start "$@" ;;
+    cluster-urls) cluster_urls "$@" ;;
+    cluster-members) cluster_members "$@" ;;
+    cluster-stop) cluster_stop "$@" ;;
+    cluster-rm) cluster_rm "$@" ;;
+    *) die "unknown verb '$verb' (setup, start, stop, kill, url, management-url, ctl, rm, list, stop-all, node-name, cluster-start, cluster-urls, cluster-members, cluster-stop, cluster-rm)" ;;
 esac

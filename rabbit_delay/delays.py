@@ -2,17 +2,21 @@
 
 Three backends sit behind the one `publish_delayed` call:
 
-- tiers: one TTL buffer queue per tier (always present); exact delays only.
+- tiers: one TTL buffer queue per tier (always present); exact delays only. A tier may
+  have several buffers (shards, `[scaling]`): the message's id picks one (`shard_index`).
 - cascade: plugin-free arbitrary delays. Level L holds messages for 2^L time units;
   the routing key spells the delay in binary, most significant bit first, then the
   destination, so each level either parks the message (bit 1) or passes it on (bit 0).
   Every level is a queue with a queue-level TTL, so no message waits behind a longer one.
+  Levels are not sharded: a level passes messages on by routing key (topic exchanges),
+  and spreading them would need a hash exchange (a plugin before RabbitMQ 4.3).
 - plugin: the x-delayed-message exchange; the delay travels in the `x-delay` header.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -39,6 +43,26 @@ class Route:
     headers: Mapping[str, object] = field(default_factory=dict)
     # The plugin cannot honour `mandatory`; every other route can.
     mandatory: bool = True
+    # A sharded tier: the exchange of each of its buffers (the first is `exchange`).
+    shards: tuple[str, ...] = ()
+
+    def exchange_for(self, message_id: str) -> str:
+        """The exchange a message with this id is published to: `exchange`, or for a
+        sharded tier the shard its id hashes to (`shard_index`)."""
+        if not self.shards:
+            return self.exchange
+        return self.shards[shard_index(message_id, len(self.shards))]
+
+
+def shard_index(message_id: str, shards: int) -> int:
+    """Which of `shards` buffers a message goes to: CRC-32 of its id, modulo.
+
+    By id, not round robin: the same in every process and thread with no shared counter
+    (many short-lived publishers would all start at shard 0), and a message sent again
+    with its id (a recovered publish, a worker's retry, a replay) takes the same buffer.
+    CRC-32 spreads random and sequential ids alike evenly (tests/unit/test_router.py).
+    """
+    return zlib.crc32(message_id.encode()) % shards if shards > 1 else 0
 
 
 class Router:
@@ -57,7 +81,7 @@ class Router:
             for key in (n.queue_key(queue), *cfg.bindings):
                 self._key_queues[key] = (*self._key_queues.get(key, ()), queue)
         self._tier_ms = dict(topology.tiers)
-        self._tier_exchange = {t: n.tier_exchange(t) for t in topology.tiers}
+        self._tier_exchanges = {t: topology.tier_exchanges(t) for t in topology.tiers}
         self._by_ms = {ms: t for t, ms in topology.tiers.items()}
         self._allowed: dict[str, frozenset[str]] = {
             q: frozenset(topology.accepted_tiers(q)) for q in topology.queues
@@ -125,8 +149,8 @@ class Router:
         return all(tier in self._allowed[q] for q in self._key_queues[key])
 
     def _tier_route(self, key: str, tier: str) -> Route:
-        exchange = self._tier_exchange.get(tier)
-        if exchange is None:
+        exchanges = self._tier_exchanges.get(tier)
+        if exchanges is None:
             known = ", ".join(self._tier_ms)
             raise DelayError(f"unknown tier {tier!r}; the topology's tiers are: {known}")
         if not self._tier_allowed(key, tier):
@@ -135,7 +159,8 @@ class Router:
             raise DelayError(
                 f"queue {refused[0]!r} does not accept tier {tier!r}; it accepts: {allowed}"
             )
-        return Route(exchange, key, tier, self._tier_ms[tier], key)
+        shards = exchanges if len(exchanges) > 1 else ()
+        return Route(exchanges[0], key, tier, self._tier_ms[tier], key, shards=shards)
 
     # -- cascade ----------------------------------------------------------------------
 

@@ -268,34 +268,63 @@ def read_observed(endpoint: ManagementEndpoint, prefix: str) -> Observed:
 @dataclass(frozen=True, slots=True)
 class QueueStats:
     """Counts as the management API reports them: sampled (every 5 s by default), so they
-    lag behind the broker. None where the API has no figure yet (a queue just declared)."""
+    lag behind the broker. None where the API has no figure yet (a queue just declared).
+
+    For a quorum queue the API also names its Raft `leader` node, its `members` (the
+    nodes holding a replica) and those of them `online`; None for other queue types,
+    or when the API does not say.
+    """
 
     ready: int | None
     unacked: int | None
     consumers: int | None
+    leader: str | None = None
+    members: tuple[str, ...] | None = None
+    online: tuple[str, ...] | None = None
 
 
 def _count(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _node(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _nodes(value: object) -> tuple[str, ...] | None:
+    if not isinstance(value, list):
+        return None
+    return tuple(sorted(str(node) for node in value if isinstance(node, str)))
+
+
+def queue_stats(row: dict[str, Any]) -> QueueStats:
+    """One row of /api/queues as QueueStats (pure). Placement (leader, members, online)
+    only for a quorum queue: a classic queue's `node` is not a Raft leader."""
+    quorum = row.get("type") == "quorum"
+    return QueueStats(
+        _count(row.get("messages_ready")),
+        _count(row.get("messages_unacknowledged")),
+        _count(row.get("consumers")),
+        _node(row.get("leader")) if quorum else None,
+        _nodes(row.get("members")) if quorum else None,
+        _nodes(row.get("online")) if quorum else None,
+    )
+
+
 def read_queue_stats(endpoint: ManagementEndpoint, prefix: str) -> dict[str, QueueStats]:
-    """Message and consumer counts of every queue whose name starts with `prefix`.
+    """Message and consumer counts of every queue whose name starts with `prefix`, and
+    where each quorum queue's replicas are (`queue_stats`).
 
     Raises ManagementUnavailable when the API cannot be used.
     """
-    columns = "name,messages_ready,messages_unacknowledged,consumers"
+    columns = "name,type,messages_ready,messages_unacknowledged,consumers,leader,members,online"
     queues = get_json(endpoint, f"queues/{endpoint.vhost_quoted}?columns={columns}")
     if not isinstance(queues, list):
         raise ManagementUnavailable(f"{endpoint.base}: unexpected answer")
     return {
-        q["name"]: QueueStats(
-            _count(q.get("messages_ready")),
-            _count(q.get("messages_unacknowledged")),
-            _count(q.get("consumers")),
-        )
+        q["name"]: queue_stats(q)
         for q in queues
-        if q["name"].startswith(prefix)
+        if isinstance(q, dict) and str(q.get("name", "")).startswith(prefix)
     }
 
 

@@ -10,6 +10,7 @@ treats `x-` headers as its own and 4.x ignores a client-published `x-death`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 # Headers written by the publisher and read by the consumer framework.
@@ -44,6 +45,10 @@ H_PLUGIN_DELAY = "x-delay"
 
 TIER_KIND = "delay"
 CASCADE_KIND = "cascade"
+# A tier may spread over several buffers (`[scaling]`): shard 0 keeps the tier's own
+# name, so a topology that adds shards keeps its existing buffer; shard i > 0 is
+# `{tier}.{i}`. Tier names have no dot, so the two never collide.
+_SHARD_SUFFIX = re.compile(r"^(?P<tier>[^.]+)(?:\.(?P<shard>[1-9][0-9]*))?$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,12 +62,19 @@ class Names:
     def prefix(self) -> str:
         return f"{self.namespace}.v{self.version}"
 
-    # Delay tiers: one exchange (fanout) and one TTL buffer queue per tier, same name.
-    def tier_exchange(self, tier: str) -> str:
-        return f"{self.prefix}.{TIER_KIND}.{tier}"
+    # Delay tiers: one exchange (fanout) and one TTL buffer queue per tier and shard,
+    # same name. Shard 0 is the tier's name itself (what a tier of one shard always had).
+    def tier_exchange(self, tier: str, shard: int = 0) -> str:
+        return self._tier(tier, shard)
 
-    def tier_queue(self, tier: str) -> str:
-        return f"{self.prefix}.{TIER_KIND}.{tier}"
+    def tier_queue(self, tier: str, shard: int = 0) -> str:
+        return self._tier(tier, shard)
+
+    def _tier(self, tier: str, shard: int) -> str:
+        if shard < 0:
+            raise ValueError(f"shard {shard} of tier {tier!r}: shards count from 0")
+        base = f"{self.prefix}.{TIER_KIND}.{tier}"
+        return f"{base}.{shard}" if shard else base
 
     # Due messages (expired from a buffer) are routed to business queues from here.
     def due_exchange(self) -> str:
@@ -111,10 +123,20 @@ class Names:
     def plugin_exchange(self) -> str:
         return f"{self.prefix}.delayed"
 
+    def parse_tier(self, name: str) -> tuple[str, int]:
+        """`(tier, shard)` of a tier buffer or tier exchange name (shard 0 for a tier's
+        own name). Raises ValueError for any other name."""
+        kind, detail = self.parse(name)
+        m = _SHARD_SUFFIX.match(detail) if kind == TIER_KIND else None
+        if m is None:
+            raise ValueError(f"{name!r} is not a tier buffer of {self.prefix!r}")
+        return m["tier"], int(m["shard"] or 0)
+
     def parse(self, name: str) -> tuple[str, str]:
         """Inverse of the builders: `(kind, detail)` for a name of this scheme.
 
-        kind is one of delay, due, unroutable, q, parking, cascade, delayed.
+        kind is one of delay, due, unroutable, q, parking, cascade, delayed. A tier
+        shard's detail is `{tier}.{shard}` (see `parse_tier`).
         Raises ValueError for a name this scheme did not produce.
         """
         head = self.prefix + "."

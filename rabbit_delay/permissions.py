@@ -117,10 +117,11 @@ def _quote(regex: str) -> str:
 
 
 def publish_targets(topology: Topology) -> frozenset[str]:
-    """Every exchange a publisher may publish to (delays.Router): the tier exchanges, the
-    cascade's entry exchanges and its delivery exchange (a delay of 0), the plugin's."""
+    """Every exchange a publisher may publish to (delays.Router): the tier exchanges (of
+    every shard), the cascade's entry exchanges and its delivery exchange (a delay of 0),
+    the plugin's."""
     n = topology.names
-    targets = {n.tier_exchange(t) for t in topology.tiers}
+    targets = {x for t in topology.tiers for x in topology.tier_exchanges(t)}
     if topology.cascade is not None:
         targets |= {n.cascade_entry_exchange(level) for level in range(topology.cascade.levels)}
         targets.add(n.cascade_deliver_exchange())

@@ -11,14 +11,22 @@ topology half-declared.
 from __future__ import annotations
 
 import re
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TypedDict
 
 from rabbit_delay.broker import UNKNOWN, BrokerInfo, normalise_queue_arguments
 from rabbit_delay.errors import ArgumentConflict, DeclarationConflict, IncompatibleBroker
-from rabbit_delay.topology import QueueType, RetryBackend, RetryPolicy, Topology
+from rabbit_delay.names import Names
+from rabbit_delay.topology import (
+    MAX_SHARDS,
+    LeaderLocator,
+    QueueType,
+    RetryBackend,
+    RetryPolicy,
+    Topology,
+)
 
 # A broker without the delayed-message plugin refuses the exchange type: 3.x closes the
 # whole connection (503 COMMAND_INVALID), 4.x only the channel (406 PRECONDITION_FAILED);
@@ -48,6 +56,9 @@ class QueueArguments(TypedDict, total=False):
     x_delayed_retry_type: str
     x_delayed_retry_min: int
     x_delayed_retry_max: int
+    # Placement (`[scaling]`), read by the broker only when it creates the queue.
+    x_queue_leader_locator: str
+    x_quorum_initial_group_size: int
 
 
 class ExchangeArguments(TypedDict, total=False):
@@ -108,11 +119,38 @@ class Desired:
     exchanges: tuple[ExchangeSpec, ...]
     queues: tuple[QueueSpec, ...]
     bindings: tuple[BindingSpec, ...]
+    # Each tier's shard count and the names to build shard names with: a plan reports
+    # the buffers of shards past the count (left by a lowered count) as extra.
+    tier_shards: Mapping[str, int] = field(default_factory=dict)
+    names: Names | None = None
 
     @property
     def objects(self) -> tuple[ObjectSpec, ...]:
         # Exchanges first: a queue's dead-letter exchange should exist before the queue.
         return (*self.exchanges, *self.queues)
+
+
+# Placement arguments: the broker reads them once, when it creates a quorum queue (where
+# its leader goes, how many replicas it starts with); afterwards leadership moves with
+# failures and membership with `rabbitmq-queues add_member/grow`. So they are declared
+# on new queues and never compared: a topology that adds or changes them is in place on
+# existing queues (the plan notes the difference), never a 406 (docs/scaling.md).
+LEADER_LOCATOR = "x-queue-leader-locator"
+INITIAL_GROUP_SIZE = "x-quorum-initial-group-size"
+CREATION_ONLY_ARGUMENTS = (LEADER_LOCATOR, INITIAL_GROUP_SIZE)
+
+
+def placement_args(topology: Topology) -> dict[str, object]:
+    """The placement arguments of every quorum queue of the topology (none for classic)."""
+    if topology.queue_type is not QueueType.QUORUM:
+        return {}
+    scaling = topology.scaling
+    args: dict[str, object] = {}
+    if scaling.leader_locator is not LeaderLocator.BROKER:
+        args[LEADER_LOCATOR] = scaling.leader_locator.value
+    if scaling.replicas is not None:
+        args[INITIAL_GROUP_SIZE] = scaling.replicas
+    return args
 
 
 def _dead_letter_args(topology: Topology, dlx: str) -> dict[str, object]:
@@ -125,7 +163,7 @@ def _dead_letter_args(topology: Topology, dlx: str) -> dict[str, object]:
             "x-dead-letter-strategy": "at-least-once",
             "x-overflow": "reject-publish",
         }
-    return args
+    return args | placement_args(topology)
 
 
 # Parking lots and the catch-all hold messages for people. They have no dead-letter
@@ -136,7 +174,11 @@ HUMAN_QUEUE_DELIVERY_LIMIT = 1_000_000
 
 def _plain_queue_args(topology: Topology) -> dict[str, object]:
     if topology.queue_type is QueueType.QUORUM:
-        return {"x-queue-type": "quorum", "x-delivery-limit": HUMAN_QUEUE_DELIVERY_LIMIT}
+        return {
+            "x-queue-type": "quorum",
+            "x-delivery-limit": HUMAN_QUEUE_DELIVERY_LIMIT,
+            **placement_args(topology),
+        }
     return {}
 
 
@@ -170,10 +212,15 @@ def desired(topology: Topology) -> Desired:
     for tier, ms in topology.tiers.items():
         # The tier exchange is what publishers target: a fanout into the buffer, so a
         # publish is unroutable (and returned under `mandatory`) only if the buffer is gone.
-        exchanges.append(ExchangeSpec(n.tier_exchange(tier), "fanout"))
+        # A sharded tier has one such pair per shard, all with the same TTL and the same
+        # dead-letter exchange: the Router spreads messages over them by message_id.
         args = _dead_letter_args(topology, n.due_exchange()) | {"x-message-ttl": ms}
-        queues.append(QueueSpec(n.tier_queue(tier), args))
-        bindings.append(BindingSpec(n.tier_exchange(tier), n.tier_queue(tier), ""))
+        for exchange, queue in zip(
+            topology.tier_exchanges(tier), topology.tier_queues(tier), strict=True
+        ):
+            exchanges.append(ExchangeSpec(exchange, "fanout"))
+            queues.append(QueueSpec(queue, args))
+            bindings.append(BindingSpec(exchange, queue, ""))
 
     for queue, cfg in topology.queues.items():
         name = n.business_queue(queue)
@@ -196,7 +243,8 @@ def desired(topology: Topology) -> Desired:
         _add_cascade(topology, exchanges, queues, bindings)
     if topology.plugin is not None:
         _add_plugin(topology, exchanges, bindings)
-    return Desired(tuple(exchanges), tuple(queues), tuple(bindings))
+    shards = {tier: topology.shards(tier) for tier in topology.tiers}
+    return Desired(tuple(exchanges), tuple(queues), tuple(bindings), shards, n)
 
 
 def _add_cascade(
@@ -284,6 +332,7 @@ class Action(StrEnum):
     CONFLICT = "conflict"  # exists with other arguments
     PRESENT = "present"  # exists; arguments not readable (no management API)
     ENSURE = "ensure"  # binding whose presence cannot be read; binding is idempotent
+    EXTRA = "extra"  # a tier shard past the topology's count: left alone, never deleted
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +341,9 @@ class PlanItem:
     name: str
     action: Action
     conflicts: tuple[ArgumentConflict, ...] = ()
+    # For people, changing nothing: a placement argument the existing queue was created
+    # without (or with another value), what to do with an extra shard.
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,9 +378,71 @@ def compare(spec: ObjectSpec, existing: ExistingObject) -> tuple[ArgumentConflic
     if isinstance(spec, QueueSpec):
         wanted, have = normalise_queue_arguments(wanted), normalise_queue_arguments(have)
     for arg in sorted(set(wanted) | set(have)):
+        if isinstance(spec, QueueSpec) and arg in CREATION_ONLY_ARGUMENTS:
+            continue  # see placement_notes
         if wanted.get(arg) != have.get(arg):
             found.append(ArgumentConflict(kind, spec.name, arg, have.get(arg), wanted.get(arg)))
     return tuple(found)
+
+
+def placement_notes(spec: ObjectSpec, existing: ExistingObject) -> tuple[str, ...]:
+    """Placement arguments an existing queue has otherwise than the topology says: not
+    a conflict (the broker reads them only at creation), but worth saying, in one note."""
+    if not isinstance(spec, QueueSpec):
+        return ()
+    differences = [
+        f"{arg} {_shown(existing.arguments.get(arg))} on the broker, "
+        f"{_shown(spec.arguments.get(arg))} in the topology"
+        for arg in CREATION_ONLY_ARGUMENTS
+        if existing.arguments.get(arg) != spec.arguments.get(arg)
+    ]
+    if not differences:
+        return ()
+    return (
+        "; ".join(differences)
+        + " (placement applies to new queues only: docs/scaling.md#placement)",
+    )
+
+
+def _shown(value: object) -> str:
+    return "unset" if value is None else repr(value)
+
+
+RETIRED_SHARD_NOTE = (
+    "tier {tier!r} now has {count} shard(s): this one still dead-letters what it holds on "
+    "time and takes no new messages; delete it once empty (docs/scaling.md#sharded-tiers)"
+)
+
+
+def retired_shards(
+    want: Desired, exchanges: Iterable[str], queues: Iterable[str]
+) -> tuple[PlanItem, ...]:
+    """Buffers (and their exchanges) of a tier's shards past its count in `want`, among
+    the names found on the broker: extra, reported and left alone (a lowered shard count
+    must not delete a buffer that still holds messages)."""
+    if want.names is None:
+        return ()
+    found: list[tuple[str, int, Kind, str]] = []
+    for kind, names in ((Kind.EXCHANGE, exchanges), (Kind.QUEUE, queues)):
+        for name in names:
+            try:
+                tier, shard = want.names.parse_tier(name)
+            except ValueError:
+                continue
+            count = want.tier_shards.get(tier)
+            if count is not None and shard >= count:
+                found.append((tier, shard, kind, name))
+    order = list(want.tier_shards)
+    found.sort(key=lambda f: (order.index(f[0]), f[1], f[2] is Kind.QUEUE))
+    return tuple(
+        PlanItem(
+            kind,
+            name,
+            Action.EXTRA,
+            notes=(RETIRED_SHARD_NOTE.format(tier=tier, count=want.tier_shards[tier]),),
+        )
+        for tier, _shard, kind, name in found
+    )
 
 
 def make_plan(want: Desired, observed: Observed) -> Plan:
@@ -341,7 +455,8 @@ def make_plan(want: Desired, observed: Observed) -> Plan:
         else:
             conflicts = compare(spec, existing)
             action = Action.CONFLICT if conflicts else Action.IN_PLACE
-            items.append(PlanItem(spec.kind, spec.name, action, conflicts))
+            notes = placement_notes(spec, existing)
+            items.append(PlanItem(spec.kind, spec.name, action, conflicts, notes))
     for b in want.bindings:
         if observed.bindings is None:
             action = Action.ENSURE
@@ -349,6 +464,7 @@ def make_plan(want: Desired, observed: Observed) -> Plan:
             key = (b.source, b.destination, b.destination_type.value, b.routing_key)
             action = Action.IN_PLACE if key in observed.bindings else Action.CREATE
         items.append(PlanItem(Kind.BINDING, b.name, action))
+    items.extend(retired_shards(want, observed.exchanges, observed.queues))
     return Plan(tuple(items))
 
 
@@ -573,6 +689,40 @@ class DeclareReport:
         return bool(self.created)
 
 
+def _redeclare(
+    spec: ObjectSpec,
+) -> Generator[Operation, object, tuple[str | None, tuple[str, ...]]]:
+    """Re-declare an existing object to check its arguments: (None when the broker took
+    it unchanged, else its 406 text; notes). A 406 on a placement argument (the queue was
+    created without it, or with another value) is not a conflict (see
+    CREATION_ONLY_ARGUMENTS): the declare is repeated with the broker's value, so that
+    only the other arguments are compared, and the difference becomes a note."""
+    original = spec
+    reply: object = None
+    for _ in range(len(CREATION_ONLY_ARGUMENTS) + 1):
+        reply = yield Declare(spec)
+        if reply is None:
+            return None, placement_notes(original, ExistingObject(spec.arguments))
+        conflict = conflict_from_reply(spec, str(reply))
+        if not isinstance(spec, QueueSpec) or conflict.argument not in CREATION_ONLY_ARGUMENTS:
+            break
+        args = dict(spec.arguments)
+        if conflict.on_broker is None:
+            args.pop(conflict.argument, None)
+        else:
+            args[conflict.argument] = _placement_value(conflict.argument, conflict.on_broker)
+        spec = QueueSpec(spec.name, args, spec.durable)
+    return str(reply), ()
+
+
+def _placement_value(argument: str, value: object) -> object:
+    """A placement value read back from a 406 text, in the type the broker stored it
+    with (the group size is a number even when the topology sets none)."""
+    if argument == INITIAL_GROUP_SIZE and isinstance(value, str) and value.isdigit():
+        return int(value)
+    return value
+
+
 DeclareProgram = Generator[Operation, object, DeclareReport]
 PlanProgram = Generator[Operation, object, Plan]
 
@@ -595,14 +745,38 @@ def plan_program(
         present[(spec.kind, spec.name)] = bool((yield Exists(spec)))
     routing = yield from _verify_all_routing(want, present)
     plan = plan_from_presence(want, present)
+    extra = yield from _probe_retired_shards(want)
     return Plan(
-        tuple(
-            PlanItem(i.kind, i.name, Action.CONFLICT, (routing[(i.kind, i.name)],))
-            if (i.kind, i.name) in routing
-            else i
-            for i in plan.items
+        (
+            *(
+                PlanItem(i.kind, i.name, Action.CONFLICT, (routing[(i.kind, i.name)],))
+                if (i.kind, i.name) in routing
+                else i
+                for i in plan.items
+            ),
+            *extra,
         )
     )
+
+
+def _probe_retired_shards(want: Desired) -> Generator[Operation, object, tuple[PlanItem, ...]]:
+    """Without a listing (no management API), look for each tier's shards past its count
+    with passive declares: shard `count`, then on while they exist (a lowered count
+    leaves a contiguous run). One probe per tier when there are none."""
+    if want.names is None:
+        return ()
+    exchanges: list[str] = []
+    queues: list[str] = []
+    for tier, count in want.tier_shards.items():
+        for shard in range(count, MAX_SHARDS):
+            queue = QueueSpec(want.names.tier_queue(tier, shard))
+            if not (yield Exists(queue)):
+                break
+            queues.append(queue.name)
+            exchange = ExchangeSpec(want.names.tier_exchange(tier, shard), "fanout")
+            if (yield Exists(exchange)):
+                exchanges.append(exchange.name)
+    return retired_shards(want, exchanges, queues)
 
 
 def declare_program(
@@ -636,14 +810,15 @@ def declare_program(
             exists = yield Exists(spec)
             present[(spec.kind, spec.name)] = bool(exists)
             action = Action.CREATE
+            notes: tuple[str, ...] = ()
             if exists:
-                reply = yield Declare(spec)
+                reply, notes = yield from _redeclare(spec)
                 if reply is None:
                     action = Action.IN_PLACE
                 else:
-                    conflicts.append(conflict_from_reply(spec, str(reply)))
+                    conflicts.append(conflict_from_reply(spec, reply))
                     action = Action.CONFLICT
-            items[(spec.kind, spec.name)] = PlanItem(spec.kind, spec.name, action)
+            items[(spec.kind, spec.name)] = PlanItem(spec.kind, spec.name, action, notes=notes)
         # After every object's presence is known (the probe needs to know the due exchange's).
         routing = yield from _verify_all_routing(want, present)
         for key, conflict in routing.items():
@@ -655,9 +830,9 @@ def declare_program(
 
     for spec in want.objects:
         if not present[(spec.kind, spec.name)]:
-            reply = yield Declare(spec)
-            if reply is not None:  # created concurrently by someone else, differently
-                raise DeclarationConflict([conflict_from_reply(spec, str(reply))])
+            created = yield Declare(spec)
+            if created is not None:  # created concurrently by someone else, differently
+                raise DeclarationConflict([conflict_from_reply(spec, str(created))])
     for binding in want.bindings:
         known = items.get((Kind.BINDING, binding.name))
         if known is None or known.action is not Action.IN_PLACE:

@@ -334,11 +334,12 @@ class PublisherCore(Generic[OneT, ManyT]):
         all_headers[h.H_TIER] = route.tier
         all_headers[h.H_ATTEMPT] = attempt
         all_headers[h.H_TARGET] = route.target
+        message_id = check_message_id(message_id) if message_id is not None else new_message_id()
         return Outgoing(
-            exchange=route.exchange,
+            exchange=route.exchange_for(message_id),  # a sharded tier: the id's shard
             routing_key=route.routing_key,
             body=body,
-            message_id=check_message_id(message_id) if message_id is not None else new_message_id(),
+            message_id=message_id,
             content_type=content_type,
             headers=all_headers,
             mandatory=route.mandatory,

@@ -197,7 +197,8 @@ class ParkedReplay:
 
     `tier=None` replays at once: to the due exchange with the queue's unique key, so
     only this queue gets it (never every queue bound to a shared binding key). With a
-    tier, through that tier's buffer like `publish_delayed(queue=...)`.
+    tier, through that tier's buffer like `publish_delayed(queue=...)`: for a sharded
+    tier, the shard the message's id picks (`PublisherCore.outgoing`).
 
     Raises UnknownTargetError for a queue outside the topology and DelayError for a
     tier it does not have or the queue does not accept.

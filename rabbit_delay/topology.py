@@ -199,6 +199,43 @@ class PluginConfig(_Model):
     an empty table: the plugin exchange only delays; the due exchange routes)."""
 
 
+# One buffer is one quorum queue: one Raft leader, and one dead-letter worker taking 32
+# messages at a time. Measured (docs/scaling.md): 8 shards already bring p99 lateness of
+# a 26k msg/s burst under 1 s on one node; past 32, each shard costs a Raft group and
+# brings nothing a cluster would not bring better.
+MAX_SHARDS = 32
+# Raft needs a majority: more than 7 replicas only slows every write.
+MAX_REPLICAS = 7
+ShardCount = Annotated[int, Field(ge=1, le=MAX_SHARDS)]
+
+
+class LeaderLocator(StrEnum):
+    """Where a new quorum queue's leader goes (`x-queue-leader-locator`).
+
+    BALANCED: the node with the fewest leaders (random among nodes past 1,000 queues);
+    CLIENT_LOCAL: the node the declaring connection is on; BROKER: the argument is not
+    set, the broker's `queue_leader_locator` setting decides (client-local by default).
+    """
+
+    BALANCED = "balanced"
+    CLIENT_LOCAL = "client-local"
+    BROKER = "broker"
+
+
+class ScalingConfig(_Model):
+    """`[scaling]`: buffers per tier, and where quorum queues are placed in a cluster.
+
+    `shards` (default 1) is every tier's buffer count, `tier_shards` overrides it per
+    tier. `leader_locator` and `replicas` are placement: they apply when a queue is
+    created, and an existing queue keeps its own (docs/scaling.md#placement).
+    """
+
+    shards: ShardCount = 1
+    tier_shards: dict[TierName, ShardCount] = Field(default_factory=dict)
+    leader_locator: LeaderLocator = LeaderLocator.BALANCED
+    replicas: Annotated[int, Field(ge=1, le=MAX_REPLICAS)] | None = None  # None: broker default
+
+
 DEFAULT_IDEMPOTENCY_FILE = "rabbit-delay-idempotency.sqlite3"
 # The validation context key naming the directory a relative idempotency path is
 # resolved against: the topology file's directory, set by `load_topology`.
@@ -242,6 +279,7 @@ class Topology(_Model):
     queues: dict[QueueName, QueueConfig] = Field(min_length=1)
     cascade: CascadeConfig | None = None
     plugin: PluginConfig | None = None
+    scaling: ScalingConfig = ScalingConfig()
     idempotency: IdempotencyConfig = Field(default_factory=IdempotencyConfig)
 
     @model_validator(mode="before")
@@ -263,6 +301,15 @@ class Topology(_Model):
                 raise ValueError(f"tiers {durations[ms]!r} and {tier!r} have the same duration")
             durations[ms] = tier
         known = sorted(self.tiers)
+        for tier in self.scaling.tier_shards:
+            if tier not in self.tiers:
+                raise ValueError(f"scaling.tier_shards: unknown tier {tier!r}; tiers are {known}")
+        placement = {"leader_locator", "replicas"} & self.scaling.model_fields_set
+        if self.queue_type is not QueueType.QUORUM and placement:
+            raise ValueError(
+                f"scaling.{sorted(placement)[0]} places quorum queues (leaders, replicas); "
+                'classic queues are not replicated: remove it, or use queue_type = "quorum"'
+            )
         own_keys = {self.names.queue_key(q) for q in self.queues}
         aliases: dict[str, str] = {}
         for queue, cfg in self.queues.items():
@@ -296,6 +343,21 @@ class Topology(_Model):
     @cached_property
     def names(self) -> Names:
         return Names(self.namespace, self.version)
+
+    def shards(self, tier: str) -> int:
+        """How many buffers `tier` has: `scaling.tier_shards`, else `scaling.shards`."""
+        if tier not in self.tiers:
+            raise KeyError(tier)
+        return self.scaling.tier_shards.get(tier, self.scaling.shards)
+
+    def tier_queues(self, tier: str) -> tuple[str, ...]:
+        """The buffer queues of `tier`, shard 0 (the tier's own name) first: a tier's
+        depth is the sum of theirs."""
+        return tuple(self.names.tier_queue(tier, i) for i in range(self.shards(tier)))
+
+    def tier_exchanges(self, tier: str) -> tuple[str, ...]:
+        """The fanout exchange of each of `tier`'s buffers, in shard order."""
+        return tuple(self.names.tier_exchange(tier, i) for i in range(self.shards(tier)))
 
     def tier_for_ms(self, ms: int) -> str | None:
         """The tier whose duration is exactly `ms`, if any."""

@@ -57,6 +57,7 @@ _STYLE = {
     Action.CONFLICT: "bold red",
     Action.PRESENT: "green",
     Action.ENSURE: "cyan",
+    Action.EXTRA: "magenta",
 }
 _DONE_WORDS = {
     Action.CREATE: "created",
@@ -86,6 +87,7 @@ def _items_json(
                 {"argument": c.argument, "on_broker": c.on_broker, "wanted": c.wanted}
                 for c in i.conflicts
             ],
+            "notes": list(i.notes),
         }
         for i in items
     ]
@@ -101,7 +103,8 @@ def _table(
     for i in items:
         word = (words or {}).get(i.action, i.action.value)
         detail = "; ".join(
-            f"{c.argument}: broker {c.on_broker!r}, wanted {c.wanted!r}" for c in i.conflicts
+            [f"{c.argument}: broker {c.on_broker!r}, wanted {c.wanted!r}" for c in i.conflicts]
+            + list(i.notes)
         )
         table.add_row(
             i.kind.value,

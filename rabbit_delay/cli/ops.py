@@ -74,8 +74,27 @@ class QueueRow:
     ready: int | None
     unacked: int | None
     consumers: int | None
+    # Where a quorum queue's replicas are, as the management API says (None: not told).
+    leader: str | None = None
+    members: tuple[str, ...] | None = None
+    online: tuple[str, ...] | None = None
     notes: list[str] = field(default_factory=list)
     attention: bool = False
+
+    @property
+    def offline(self) -> tuple[str, ...]:
+        """Members the API does not list as online (none when it does not say)."""
+        if self.members is None or self.online is None:
+            return ()
+        return tuple(m for m in self.members if m not in self.online)
+
+    @property
+    def majority_lost(self) -> bool:
+        """A quorum queue with fewer than a majority of its members online: it accepts,
+        dead-letters and delivers nothing until enough of them are back."""
+        if not self.members or self.online is None:
+            return False
+        return len(self.members) - len(self.offline) < len(self.members) // 2 + 1
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -86,6 +105,9 @@ class QueueRow:
             "ready": self.ready,
             "unacked": self.unacked,
             "consumers": self.consumers,
+            "leader": self.leader,
+            "members": list(self.members) if self.members is not None else None,
+            "online": list(self.online) if self.online is not None else None,
             "attention": self.attention,
             "notes": self.notes,
         }
@@ -99,7 +121,8 @@ def status_rows(
     """One row per queue of the topology, flagged. Pure: counts are passed in.
 
     `live` (passive declares) gives ready messages and consumers as they are now; `api`
-    (management API, sampled) adds unacked messages, and stands in when `live` is None.
+    (management API, sampled) adds unacked messages and each quorum queue's leader,
+    members and online members, and stands in when `live` is None.
     """
     rows: list[QueueRow] = []
     for spec in desired(topology).queues:
@@ -124,6 +147,9 @@ def status_rows(
             ready,
             stats.unacked if stats is not None else None,
             consumers,
+            stats.leader if stats is not None else None,
+            stats.members if stats is not None else None,
+            stats.online if stats is not None else None,
         )
         _flag(row)
         rows.append(row)
@@ -142,9 +168,25 @@ def _flag(row: QueueRow) -> None:
     if row.role in _BUFFERS and row.consumers:
         row.attention = True
         row.notes.append(f"BUG: {row.consumers} consumer(s) on a delay buffer")
+    if row.majority_lost:
+        row.attention = True
+        online = len(row.members or ()) - len(row.offline)
+        row.notes.append(
+            f"no majority: {online} of {len(row.members or ())} members online, "
+            f"offline: {', '.join(row.offline)}"
+        )
+    elif row.offline:
+        row.notes.append(f"offline: {', '.join(row.offline)}")
+    elif row.members and row.leader is None:
+        row.notes.append("no leader reported")
 
 
 def _hint(topology: Topology, row: QueueRow) -> str:
+    if row.majority_lost:
+        return (
+            "a quorum queue needs a majority of its members online: start the stopped "
+            "node(s) (`rabbitmqctl cluster_status` lists them); no message is lost meanwhile"
+        )
     if row.role in _BUFFERS:
         return (
             "a consumer on a delay buffer takes messages before they are due; find it with "
@@ -160,28 +202,54 @@ def _cell(value: int | None) -> str:
     return "?" if value is None else str(value)
 
 
+def shows_placement(rows: list[QueueRow]) -> bool:
+    """Whether the table gets the leader and members columns: only when the management
+    API names more than one node (a cluster), so a single node's table stays as it was."""
+    nodes = {row.leader for row in rows if row.leader is not None}
+    for row in rows:
+        nodes.update(row.members or ())
+    return len(nodes) > 1
+
+
+def placement_cells(row: QueueRow) -> tuple[str, str]:
+    """The leader and members cells of a row: `rabbit@b`, `2/3 online`; `?` where the
+    API did not say (a classic queue, or no API), `none` for a queue without a leader."""
+    if row.members is None:
+        return ("?" if row.leader is None else row.leader), "?"
+    leader = row.leader if row.leader is not None else "none"
+    if row.online is None:
+        return leader, str(len(row.members))
+    return leader, f"{len(row.members) - len(row.offline)}/{len(row.members)} online"
+
+
 def _status_table(title: str, rows: list[QueueRow]) -> Table:
     table = Table(title=title, title_justify="left")
+    placement = shows_placement(rows)
     table.add_column("role")
     table.add_column("queue", overflow="fold")
     table.add_column("ttl", justify="right")
     table.add_column("ready", justify="right")
     table.add_column("unacked", justify="right")
     table.add_column("consumers", justify="right")
+    if placement:
+        table.add_column("leader", overflow="fold")
+        table.add_column("members", justify="right")
     table.add_column("notes", overflow="fold")
     for row in rows:
         style = "bold red" if row.attention else ("yellow" if not row.exists else "")
         notes = escape("; ".join(row.notes))
-        table.add_row(
+        cells = [
             row.role.value,
             escape(row.name),
             format_ms(row.ttl_ms) if row.ttl_ms is not None else "",
             _cell(row.ready),
             _cell(row.unacked),
             _cell(row.consumers),
-            f"[{style}]{notes}[/]" if style and notes else notes,
-            style=None,
-        )
+        ]
+        if placement:
+            cells += [escape(cell) for cell in placement_cells(row)]
+        cells.append(f"[{style}]{notes}[/]" if style and notes else notes)
+        table.add_row(*cells, style=None)
     return table
 
 
@@ -196,7 +264,8 @@ def status(
         typer.Option(
             "--check",
             help=f"Exit {EXIT_ATTENTION} when a parking lot or the catch-all holds messages, "
-            "or a delay buffer has consumers (for monitoring scripts).",
+            "a delay buffer has consumers, or a quorum queue has lost the majority of its "
+            "members (for monitoring scripts).",
         ),
     ] = False,
     as_json: JsonOpt = False,
@@ -205,6 +274,7 @@ def status(
 
     Ready messages and consumers: live, from passive declares.
     Unacked messages: from the management API, sampled every few seconds ('?' without it).
+    In a cluster, each quorum queue's leader and members online (management API).
     Exit code 0; 3 with --check when something needs a human; 1 on error.
     """
     from rabbit_delay.sync import broker_info
@@ -251,6 +321,7 @@ def status(
     sources = {
         "ready_and_consumers": "amqp passive declare" if live is not None else "management API",
         "unacked": "management API" if api is not None else None,
+        "placement": "management API" if api is not None else None,
     }
     if as_json:
         print_json(
@@ -445,4 +516,13 @@ def replay(
     raise typer.Exit(EXIT_OK)
 
 
-__all__ = ["EXIT_ATTENTION", "QueueRow", "Role", "replay", "status", "status_rows"]
+__all__ = [
+    "EXIT_ATTENTION",
+    "QueueRow",
+    "Role",
+    "placement_cells",
+    "replay",
+    "shows_placement",
+    "status",
+    "status_rows",
+]

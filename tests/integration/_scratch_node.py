@@ -32,7 +32,10 @@ import pytest
 from conftest import server_info
 
 from rabbit_delay.broker import BrokerInfo
+from rabbit_delay.errors import ManagementUnavailable
+from rabbit_delay.management import get_json
 from rabbit_delay.message import now_ms
+from rabbit_delay.urls import management_endpoint
 
 BROKERS_SH = Path(__file__).resolve().parents[2] / ".ci" / "brokers.sh"
 START_TIMEOUT_S = 180.0
@@ -88,10 +91,11 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _free_base_port() -> int:
+def _free_base_port(members: int = 1) -> int:
+    """A port P with every derived port free for `members` nodes at P, P+10, P+20..."""
     while True:
         port = random.randint(6000, 9999)
-        if all(_port_free(port + d) for d in _DERIVED):
+        if all(_port_free(port + 10 * i + d) for i in range(members) for d in _DERIVED):
             return port
 
 
@@ -168,6 +172,16 @@ class ScratchNode:
             return brokers_sh("logs", self.kind, self.name, str(lines), timeout=30)
         return "(no logs)"
 
+    @property
+    def node_name(self) -> str:
+        """Its Erlang node name (what the management API calls it: `leader`, `members`)."""
+        return _node_name(self.kind, self.name)
+
+
+@cache
+def _node_name(kind: str, name: str) -> str:
+    return brokers_sh("node-name", kind, name, timeout=30)
+
 
 def _skip_or_fail(reason: str) -> None:
     if os.environ.get("CI"):
@@ -209,6 +223,107 @@ def scratch_node(broker_url: str) -> Iterator[ScratchNode]:
     """A started scratch node of the broker-under-test's version; deleted afterwards."""
     with started_node(scratch_kind(broker_url)) as node:
         yield node
+
+
+# -- a cluster --------------------------------------------------------------------------
+
+
+@dataclass
+class ScratchCluster:
+    """`size` scratch nodes of `kind` joined into one RabbitMQ cluster by
+    `brokers.sh cluster-start` (members NAME-1..NAME-size on ports P, P+10, ...), with the
+    management API on each. Each member is a ScratchNode: kill one, start it again (it
+    rejoins with its data)."""
+
+    kind: str
+    size: int = 3
+    name: str = field(default_factory=lambda: f"c{uuid.uuid4().hex[:8]}")
+    port: int = 0  # 0: free ports for every member
+    conf: Sequence[str] = ()
+    started_s: float | None = None  # how long cluster-start took
+    members: list[ScratchNode] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.port:
+            self.port = _free_base_port(self.size)
+        self.members = [
+            ScratchNode(
+                self.kind,
+                name=f"{self.name}-{i + 1}",
+                port=self.port + 10 * i,
+                management=True,
+                conf=self.conf,
+            )
+            for i in range(self.size)
+        ]
+
+    @property
+    def urls(self) -> list[str]:
+        return [node.url for node in self.members]
+
+    def start(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Start every member and join them (once); returns when all run in one cluster."""
+        args = ["cluster-start", self.kind, self.name, "--nodes", str(self.size)]
+        args += ["--port", str(self.port)]
+        for line in self.conf:
+            args += ["--conf", line]
+        began = time.monotonic()
+        for node in self.members:
+            node.starts += 1
+            node._started = True
+        brokers_sh(*args, timeout=timeout + 60)
+        for node in self.members:
+            deadline = time.monotonic() + 30
+            while not _amqp_ready(node.url):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"cluster member {node.name} does not answer")
+                time.sleep(0.2)
+        running = self.running_nodes()
+        if len(running) != self.size:
+            raise RuntimeError(f"cluster {self.name}: {len(running)} of {self.size} running")
+        self.started_s = time.monotonic() - began
+
+    def running_nodes(self) -> list[str]:
+        """The nodes the first member's management API lists as running."""
+        try:
+            nodes = get_json(management_endpoint(self.members[0].url), "nodes?columns=name,running")
+        except ManagementUnavailable as exc:
+            raise RuntimeError(f"cluster {self.name}: {exc}") from None
+        return [n["name"] for n in nodes if isinstance(n, dict) and n.get("running")]
+
+    def member(self, node_name: str) -> ScratchNode:
+        """The member whose Erlang node name is `node_name`."""
+        for node in self.members:
+            if node.node_name == node_name:
+                return node
+        raise KeyError(f"{node_name} is not a member of cluster {self.name}")
+
+    def cleanup(self) -> None:
+        with contextlib.suppress(RuntimeError):
+            brokers_sh("cluster-rm", self.kind, self.name, timeout=STOP_TIMEOUT_S + 60)
+
+
+@contextlib.contextmanager
+def started_cluster(kind: str, **options: Any) -> Iterator[ScratchCluster]:
+    """A started cluster of `kind`; its members killed and deleted afterwards. Skips
+    when it cannot be started here (FAILS when CI is set), naming why."""
+    cluster = ScratchCluster(kind, **options)
+    try:
+        try:
+            cluster.start()
+        except (RuntimeError, TimeoutError):  # a free port taken meanwhile: once more
+            cluster.cleanup()
+            cluster = ScratchCluster(kind, **options)
+            try:
+                cluster.start()
+            except (RuntimeError, TimeoutError) as exc:
+                logs = "\n".join(node.log_tail(15) for node in cluster.members)
+                _skip_or_fail(
+                    f"cannot start a {cluster.size}-node cluster of {kind}: {exc}\n{logs}"
+                )
+        yield cluster
+    finally:
+        cluster.cleanup()
 
 
 # -- consuming --------------------------------------------------------------------------

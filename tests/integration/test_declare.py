@@ -43,7 +43,8 @@ def expected(
     conftest default topology under prefix `p`, as the broker reports them: 4.x records
     x-queue-type=classic on a classic queue declared without it, 3.x records nothing."""
     if quorum:
-        q: dict[str, Any] = {"x-queue-type": "quorum"}
+        # placement ([scaling], default leader_locator = "balanced"), on every quorum queue
+        q: dict[str, Any] = {"x-queue-type": "quorum", "x-queue-leader-locator": "balanced"}
     else:
         q = {"x-queue-type": "classic"} if broker.at_least(4) else {}
     dlx = (

@@ -33,11 +33,18 @@ CASES: list[tuple[Callable[..., str], object, str, tuple[str, str]]] = [
     (N.cascade_entry_exchange, 5, "shop.v1.cascade.05.in", ("cascade", "05.in")),
     (N.cascade_deliver_exchange, None, "shop.v1.cascade.deliver", ("cascade", "deliver")),
     (N.plugin_exchange, None, "shop.v1.delayed", ("delayed", "")),
+    # Sharded tiers: shard 0 is the tier's own name, shard i > 0 `{tier}.{i}`.
+    (N.tier_queue, ("3s", 0), "shop.v1.delay.3s", ("delay", "3s")),
+    (N.tier_queue, ("3s", 1), "shop.v1.delay.3s.1", ("delay", "3s.1")),
+    (N.tier_exchange, ("3s", 7), "shop.v1.delay.3s.7", ("delay", "3s.7")),
+    (N.tier_queue, ("1h30m", 31), "shop.v1.delay.1h30m.31", ("delay", "1h30m.31")),
 ]
 
 
 def build(builder: Callable[..., str], arg: object) -> str:
-    return builder() if arg is None else builder(arg)
+    if arg is None:
+        return builder()
+    return builder(*arg) if isinstance(arg, tuple) else builder(arg)
 
 
 @pytest.mark.parametrize(("builder", "arg", "expected", "parsed"), CASES)
@@ -55,7 +62,9 @@ def test_parse_round_trips_every_public_builder() -> None:
     builders = {
         attr
         for attr in dir(Names)
-        if not attr.startswith("_") and callable(getattr(Names, attr)) and attr != "parse"
+        if not attr.startswith("_")
+        and callable(getattr(Names, attr))
+        and attr not in ("parse", "parse_tier")
     }
     covered = {builder.__name__ for builder, *_ in CASES}
     assert builders == covered
@@ -121,3 +130,52 @@ def test_headers_are_the_projects_own_not_x() -> None:
     assert h.H_TIER == "rd-tier"
     assert h.H_ATTEMPT == "rd-attempt"
     assert h.H_PLUGIN_DELAY == "x-delay"
+
+
+# -- tier shards ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tier", "shard"),
+    [("5m", 0), ("5m", 1), ("5m", 9), ("5m", 10), ("5m", 31), ("1h30m", 2), ("a_b-c", 3)],
+)
+def test_tier_shard_names_round_trip(tier: str, shard: int) -> None:
+    queue, exchange = N.tier_queue(tier, shard), N.tier_exchange(tier, shard)
+    assert queue == exchange  # a buffer and its fanout share a name, as before shards
+    assert N.parse_tier(queue) == (tier, shard)
+    assert N.parse(queue)[0] == "delay"
+
+
+def test_shard_zero_is_the_unsharded_name() -> None:
+    """Adding shards to an existing tier keeps its buffer: shard 0 is today's name."""
+    assert N.tier_queue("5m", 0) == N.tier_queue("5m") == "shop.v1.delay.5m"
+    assert N.tier_exchange("5m", 0) == N.tier_exchange("5m") == "shop.v1.delay.5m"
+
+
+def test_shard_names_are_distinct_from_every_other_tier() -> None:
+    """Tier names have no dot, so `{tier}.{i}` can never be another tier's name."""
+    names = {N.tier_queue(t, i) for t in ("5m", "5m1", "5", "1") for i in range(12)}
+    assert len(names) == 4 * 12
+
+
+def test_negative_shard_is_refused() -> None:
+    with pytest.raises(ValueError, match="shards count from 0"):
+        N.tier_queue("5m", -1)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "shop.v1.q.orders",
+        "shop.v1.due",
+        "shop.v1.cascade.03",
+        "shop.v1.delay.5m.0",  # shard 0 has no suffix
+        "shop.v1.delay.5m.01",
+        "shop.v1.delay.5m.x",
+        "shop.v1.delay.5m.1.2",
+        "shop.v2.delay.5m",
+    ],
+)
+def test_parse_tier_refuses_other_names(name: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(repr(name))):
+        N.parse_tier(name)

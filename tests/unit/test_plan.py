@@ -28,13 +28,17 @@ from rabbit_delay.plan import (
     desired,
     make_plan,
     plan_from_presence,
+    plan_program,
 )
 from rabbit_delay.topology import Topology, topology_from_dict
 
+# Every quorum queue is declared with a leader locator (`[scaling]`, default balanced).
+PLACEMENT = {"x-queue-leader-locator": "balanced"}
 QUORUM_DLX = {
     "x-queue-type": "quorum",
     "x-dead-letter-strategy": "at-least-once",
     "x-overflow": "reject-publish",
+    **PLACEMENT,
 }
 
 
@@ -74,7 +78,7 @@ EXPECTED_BINDINGS = {
 
 
 # Queues read by people: an explicit, huge delivery limit (4.0 would drop after 20 requeues).
-HUMAN = {"x-queue-type": "quorum", "x-delivery-limit": 1_000_000}
+HUMAN = {"x-queue-type": "quorum", "x-delivery-limit": 1_000_000, **PLACEMENT}
 
 
 def binding_keys(want: Desired) -> set[tuple[str, str, str, str]]:
@@ -417,6 +421,8 @@ class FakeBroker:
     objects: dict[tuple[Kind, str], Mapping[str, object]] = field(default_factory=dict)
     bindings: set[str] = field(default_factory=set)
     log: list[tuple[str, str]] = field(default_factory=list)
+    # Arguments compared before the others (a broker's order is its own).
+    first: tuple[str, ...] = ()
 
     def run(self, program: Any) -> DeclareReport:
         try:
@@ -443,7 +449,8 @@ class FakeBroker:
             self.objects[key] = dict(op.spec.arguments)
             return None
         self.log.append(("redeclare", op.spec.name))
-        for arg in sorted(set(existing) | set(op.spec.arguments)):
+        args = sorted(set(existing) | set(op.spec.arguments))
+        for arg in [a for a in self.first if a in args] + args:
             if existing.get(arg) != op.spec.arguments.get(arg):
                 have, want = existing.get(arg), op.spec.arguments.get(arg)
                 received = "none" if want is None else f"'{want}'"
@@ -578,3 +585,212 @@ def test_an_exchange_and_a_queue_of_the_same_name_are_told_apart(
     assert (missing, "shop.v1.delay.1s") in broker.objects
     assert broker.created == ["shop.v1.delay.1s"]
     assert [(i.kind, i.name) for i in report.created] == [(missing, "shop.v1.delay.1s")]
+
+
+# -- sharded tiers ------------------------------------------------------------------------------
+
+
+def sharded(**scaling: Any) -> Topology:
+    return shop(scaling={"tier_shards": {"3s": 4}, **scaling})
+
+
+def test_desired_lists_every_shard_with_the_tiers_arguments() -> None:
+    want = desired(sharded())
+    shards = ["shop.v1.delay.3s", "shop.v1.delay.3s.1", "shop.v1.delay.3s.2", "shop.v1.delay.3s.3"]
+    queues = {q.name: dict(q.arguments) for q in want.queues}
+    exchanges = {e.name: (e.type, dict(e.arguments)) for e in want.exchanges}
+    buffer = {**QUORUM_DLX, "x-dead-letter-exchange": "shop.v1.due", "x-message-ttl": 3000}
+    for name in shards:
+        assert queues[name] == buffer, name  # same TTL, same due exchange
+        assert exchanges[name] == ("fanout", {}), name
+    assert binding_keys(want) == EXPECTED_BINDINGS | {(n, n, "queue", "") for n in shards}
+    # The unsharded tier and everything else are exactly as without [scaling].
+    plain = desired(shop())
+    assert set(queues) - set(shards) == {q.name for q in plain.queues} - set(shards)
+    assert (
+        queues["shop.v1.delay.1s"]
+        == {q.name: q for q in plain.queues}["shop.v1.delay.1s"].arguments
+    )
+    assert dict(want.tier_shards) == {"1s": 1, "3s": 4}
+
+
+def test_default_shard_count_applies_to_every_tier_but_the_overridden() -> None:
+    want = desired(shop(scaling={"shards": 2, "tier_shards": {"3s": 3}}))
+    buffers = [q.name for q in want.queues if ".delay." in q.name]
+    assert buffers == [
+        "shop.v1.delay.1s",
+        "shop.v1.delay.1s.1",
+        "shop.v1.delay.3s",
+        "shop.v1.delay.3s.1",
+        "shop.v1.delay.3s.2",
+    ]
+
+
+def test_sharded_declare_is_idempotent() -> None:
+    want = desired(sharded())
+    broker = FakeBroker()
+    broker.run(declare_program(want))
+    assert len(broker.created) == len(want.objects)
+    broker.log.clear()
+    report = broker.run(declare_program(want))
+    assert broker.created == []
+    assert not report.changed
+    assert {i.action for i in report.items if i.kind is not Kind.BINDING} == {Action.IN_PLACE}
+
+
+def test_adding_shards_keeps_the_existing_buffer_and_creates_the_others() -> None:
+    broker = FakeBroker()
+    broker.run(declare_program(desired(shop())))
+    broker.log.clear()
+    report = broker.run(declare_program(desired(sharded())))
+    assert sorted(broker.created) == [
+        "shop.v1.delay.3s.1",
+        "shop.v1.delay.3s.1",
+        "shop.v1.delay.3s.2",
+        "shop.v1.delay.3s.2",
+        "shop.v1.delay.3s.3",
+        "shop.v1.delay.3s.3",
+    ]  # an exchange and a queue each
+    assert (Kind.QUEUE, "shop.v1.delay.3s") not in {(i.kind, i.name) for i in report.created}
+
+
+def extra_items(plan: Any) -> list[tuple[Kind, str]]:
+    return [(i.kind, i.name) for i in plan.items if i.action is Action.EXTRA]
+
+
+def test_lowered_shard_count_reports_the_retired_buffers_as_extra_management() -> None:
+    """Management API: every shard past the count is listed, none is pending."""
+    before = desired(sharded())
+    after = desired(shop(scaling={"tier_shards": {"3s": 2}}))
+    observed = observed_from(before)
+    plan = make_plan(after, observed)
+    assert extra_items(plan) == [
+        (Kind.EXCHANGE, "shop.v1.delay.3s.2"),
+        (Kind.QUEUE, "shop.v1.delay.3s.2"),
+        (Kind.EXCHANGE, "shop.v1.delay.3s.3"),
+        (Kind.QUEUE, "shop.v1.delay.3s.3"),
+    ]
+    assert plan.in_sync  # nothing for declare to do: it never deletes
+    note = next(i for i in plan.items if i.action is Action.EXTRA).notes[0]
+    assert "tier '3s' now has 2 shard(s)" in note
+    assert "delete it once empty" in note
+    # the bindings of a retired shard are not the plan's business: no item for them
+    assert all(".3s.2" not in i.name for i in plan.items if i.kind is Kind.BINDING)
+
+
+def test_lowered_shard_count_reports_the_retired_buffers_as_extra_passive() -> None:
+    """Passive declares: the run of shards past the count is probed, one probe per tier
+    when there is none."""
+    broker = FakeBroker()
+    broker.run(declare_program(desired(sharded())))
+    broker.log.clear()
+    plan = broker.run(plan_program(desired(shop())))
+    assert extra_items(plan) == [
+        (kind, f"shop.v1.delay.3s.{i}") for i in (1, 2, 3) for kind in (Kind.EXCHANGE, Kind.QUEUE)
+    ]
+    assert plan.in_sync
+    # Declared as sharded: one probe past the last shard of each tier, and no more.
+    broker.log.clear()
+    plan = broker.run(plan_program(desired(sharded())))
+    assert extra_items(plan) == []
+    probes = [name for what, name in broker.log if what == "exists"]
+    assert probes.count("shop.v1.delay.3s.4") == 1
+    assert probes.count("shop.v1.delay.1s.1") == 1
+    assert len(probes) == len(desired(sharded()).objects) + 2
+
+
+# -- placement ----------------------------------------------------------------------------------
+
+
+def queue_args(topology: Topology) -> dict[str, dict[str, object]]:
+    return {q.name: dict(q.arguments) for q in desired(topology).queues}
+
+
+def test_placement_arguments_go_on_every_quorum_queue() -> None:
+    args = queue_args(shop(scaling={"leader_locator": "client-local", "replicas": 3}))
+    for name, a in args.items():
+        assert a["x-queue-leader-locator"] == "client-local", name
+        assert a["x-quorum-initial-group-size"] == 3, name
+
+
+def test_broker_locator_and_unset_replicas_set_no_argument() -> None:
+    for a in queue_args(shop(scaling={"leader_locator": "broker"})).values():
+        assert "x-queue-leader-locator" not in a
+        assert "x-quorum-initial-group-size" not in a
+
+
+def test_classic_queues_get_no_placement() -> None:
+    for a in queue_args(shop("classic")).values():
+        assert not {"x-queue-leader-locator", "x-quorum-initial-group-size"} & set(a)
+
+
+def test_placement_is_never_a_conflict_but_a_note() -> None:
+    """Queues created before placement was configured (or with another) are in place:
+    the broker reads placement only at creation."""
+    want = desired(shop(scaling={"replicas": 3}))
+    old = desired(shop(scaling={"leader_locator": "client-local"}))
+    observed = observed_from(old)  # every queue: client-local, no group size
+    plan = make_plan(want, observed)
+    assert plan.in_sync
+    assert plan.conflicts == ()
+    buffer = next(i for i in plan.items if i.name == "shop.v1.delay.1s" and i.kind is Kind.QUEUE)
+    assert buffer.action is Action.IN_PLACE
+    assert buffer.notes == (
+        "x-queue-leader-locator 'client-local' on the broker, 'balanced' in the topology; "
+        "x-quorum-initial-group-size unset on the broker, 3 in the topology "
+        "(placement applies to new queues only: docs/scaling.md#placement)",
+    )
+    # a real difference is still a conflict beside the placement notes
+    ttl = ExistingObject(
+        {**QUORUM_DLX, "x-dead-letter-exchange": "shop.v1.due", "x-message-ttl": 9}
+    )
+    plan = make_plan(want, observed_from(want, queues={"shop.v1.delay.1s": ttl}))
+    assert [c.argument for c in plan.conflicts] == ["x-message-ttl"]
+
+
+@pytest.mark.parametrize(
+    "created_with",
+    [
+        {},  # before placement existed
+        {"x-queue-leader-locator": "client-local", "x-quorum-initial-group-size": 5},
+        {"x-quorum-initial-group-size": 5},
+    ],
+    ids=["none", "other-both", "group-size-only"],
+)
+def test_redeclare_of_a_queue_placed_otherwise_is_in_place_without_management(
+    created_with: dict[str, object],
+) -> None:
+    """Without the management API, existing queues are checked by re-declaring them: a
+    406 on a placement argument is retried with the broker's value, never a conflict."""
+    broker = FakeBroker()
+    broker.run(declare_program(desired(shop(scaling={"leader_locator": "broker"}))))
+    for (kind, name), args in list(broker.objects.items()):
+        if kind is Kind.QUEUE:
+            broker.objects[(kind, name)] = {**args, **created_with}
+    broker.log.clear()
+    broker.first = ("x-quorum-initial-group-size", "x-queue-leader-locator")
+    report = broker.run(declare_program(desired(shop(scaling={"replicas": 3}))))
+    assert broker.created == []
+    queues = [i for i in report.items if i.kind is Kind.QUEUE]
+    assert {i.action for i in queues} == {Action.IN_PLACE}
+    assert all(any("placement applies to new queues only" in n for n in i.notes) for i in queues)
+
+
+@pytest.mark.parametrize("first", [(), ("x-quorum-initial-group-size", "x-queue-leader-locator")])
+def test_redeclare_still_finds_a_real_conflict_behind_a_placement_difference(
+    first: tuple[str, ...],
+) -> None:
+    broker = FakeBroker(first=first)
+    broker.objects[(Kind.QUEUE, "shop.v1.delay.1s")] = {
+        **QUORUM_DLX,
+        "x-dead-letter-exchange": "shop.v1.due",
+        "x-message-ttl": 5000,
+        "x-queue-leader-locator": "client-local",
+        "x-quorum-initial-group-size": 1,
+    }
+    with pytest.raises(DeclarationConflict) as info:
+        broker.run(declare_program(desired(shop(scaling={"replicas": 3}))))
+    assert info.value.conflicts == (
+        ArgumentConflict("queue", "shop.v1.delay.1s", "x-message-ttl", 5000, 1000),
+    )
+    assert broker.created == []

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import random
+import uuid
+from collections import Counter
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from rabbit_delay import delays
+from rabbit_delay import names as h
 from rabbit_delay.delays import Route, Router
 from rabbit_delay.errors import DelayError, PublishError, UnknownTargetError
 from rabbit_delay.publishing import PublisherCore
@@ -193,3 +199,105 @@ def test_queues_for_key(topology: Topology) -> None:
     router = Router(topology)
     assert router.queues_for_key("shared") == ("orders.cancel", "push")
     assert router.queues_for_key("shop.v1.q.push") == ("push",)
+
+
+# -- sharded tiers ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sharded() -> Topology:
+    return topology_from_dict(
+        {
+            "namespace": "shop",
+            "tiers": {"5m": "5m", "30m": "30m"},
+            "queues": {"push": {"bindings": ["shared"]}},
+            "scaling": {"tier_shards": {"5m": 4}},
+        }
+    )
+
+
+# crc32("order-0" .. "order-7") % 4
+PINNED = [1, 3, 1, 3, 0, 2, 0, 2]
+SHARDS_5M = ("shop.v1.delay.5m", "shop.v1.delay.5m.1", "shop.v1.delay.5m.2", "shop.v1.delay.5m.3")
+
+
+def test_route_of_a_sharded_tier_carries_every_shard(sharded: Topology) -> None:
+    route = PublisherCore(sharded).route("5m", queue="push")
+    assert route.exchange == "shop.v1.delay.5m"
+    assert route.shards == SHARDS_5M
+    assert route.shards == sharded.tier_exchanges("5m")
+    # routing key, tier, delay and target are the tier's, whatever the shard
+    assert (route.routing_key, route.tier, route.delay_ms) == ("shop.v1.q.push", "5m", 300_000)
+    unsharded = PublisherCore(sharded).route("30m", queue="push")
+    assert unsharded.shards == ()
+    assert unsharded.exchange_for("anything") == "shop.v1.delay.30m"
+
+
+def test_shard_index_is_crc32_and_stable() -> None:
+    import zlib
+
+    for message_id in ("order-42-timeout", "a", "", "é-ü"):
+        expected = zlib.crc32(message_id.encode()) % 4
+        assert delays.shard_index(message_id, 4) == expected
+        assert delays.shard_index(message_id, 1) == 0
+    # Pinned: publishers of two versions side by side must agree on the shard.
+    assert [delays.shard_index(f"order-{i}", 4) for i in range(8)] == PINNED
+
+
+def _uuid4(i: int) -> uuid.UUID:
+    """A random-looking UUID4, the same for `i` on every run: the bound cannot flake."""
+    return uuid.UUID(int=random.Random(i).getrandbits(128), version=4)
+
+
+@pytest.mark.parametrize(
+    "make_id",
+    [lambda i: _uuid4(i).hex, lambda i: str(_uuid4(i)), lambda i: f"order-{i}"],
+    ids=["uuid-hex", "uuid", "sequential"],
+)
+def test_shards_are_spread_evenly(make_id: Callable[[int], str]) -> None:
+    """10,000 ids over 4 shards: each within 5 % of a quarter."""
+    counts = Counter(delays.shard_index(make_id(i), 4) for i in range(10_000))
+    assert set(counts) == {0, 1, 2, 3}
+    for shard, n in counts.items():
+        assert abs(n - 2_500) <= 125, (shard, counts)
+
+
+def test_publish_many_spreads_by_message_id(sharded: Topology) -> None:
+    core = PublisherCore(sharded)
+    outs = core.prepare_many([{"n": i} for i in range(2_000)], "5m", queue="push")
+    by_exchange = Counter(o.exchange for o in outs)
+    assert set(by_exchange) == set(SHARDS_5M)
+    assert min(by_exchange.values()) > 400
+    for out in outs:
+        assert out.exchange == SHARDS_5M[delays.shard_index(out.message_id, 4)]
+        assert out.headers[h.H_TIER] == "5m"  # handlers see the tier, never the shard
+        assert out.routing_key == "shop.v1.q.push"
+
+
+def test_the_same_id_takes_the_same_shard_every_time(sharded: Topology) -> None:
+    core = PublisherCore(sharded)
+    ids = [f"order-{i}" for i in range(50)]
+    first = [core.prepare({}, "5m", queue="push", message_id=i).exchange for i in ids]
+    again = [
+        PublisherCore(sharded).prepare({}, "5m", routing_key="shared", message_id=i) for i in ids
+    ]
+    assert first == [o.exchange for o in again]
+    assert len(set(first)) == 4
+
+
+def test_worker_retries_and_replays_through_a_sharded_tier_shard_by_id(sharded: Topology) -> None:
+    """Retries (consumer/_decide.py) and replays (replay.py) build their copies with
+    PublisherCore.outgoing from a Router route: the id picks the shard there too."""
+    from rabbit_delay.consumer._decide import QueuePolicy
+    from rabbit_delay.replay import ParkedReplay, Stored
+
+    policy = QueuePolicy(sharded, "push")
+    retry = policy.retry_routes[0]
+    assert (retry.tier, retry.shards) == ("5m", SHARDS_5M)  # the shortest tier: 5m
+    replay = ParkedReplay(sharded, "push", tier="5m")
+    for i in range(40):
+        mid = f"m{i}"
+        out = replay.outgoing(Stored(b"{}", mid, "application/json"), 1_000)
+        assert out.exchange == SHARDS_5M[delays.shard_index(mid, 4)]
+        retried = PublisherCore.outgoing(retry, b"{}", "application/json", 1_000, mid)
+        assert retried.exchange == out.exchange

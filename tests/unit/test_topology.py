@@ -346,3 +346,76 @@ def test_a_topology_from_a_dict_resolves_against_the_current_directory(elsewhere
 def test_an_empty_sqlite_path_is_an_error(tmp_path: Path) -> None:
     message = load_error(tmp_path, BASE + '[idempotency]\npath = ""\n')
     assert "idempotency.path" in message
+
+
+# -- [scaling] ------------------------------------------------------------------------------
+
+
+SCALED = (
+    BASE
+    + """
+[scaling]
+shards = 2
+tier_shards = { "1s" = 8 }
+leader_locator = "client-local"
+replicas = 3
+"""
+)
+
+
+def test_scaling_defaults_are_one_shard_balanced_broker_replicas() -> None:
+    topology = topology_from_dict(minimal())
+    assert topology.scaling.shards == 1
+    assert topology.scaling.tier_shards == {}
+    assert topology.scaling.leader_locator.value == "balanced"
+    assert topology.scaling.replicas is None
+    assert topology.shards("1s") == 1
+    assert topology.tier_queues("1s") == ("shop.v1.delay.1s",)  # today's name, unchanged
+
+
+def test_scaling_from_a_file(tmp_path: Path) -> None:
+    topology = load_topology(write(tmp_path, SCALED))
+    assert topology.shards("1s") == 8
+    assert topology.shards("5m") == 2  # the default for tiers not overridden
+    assert topology.tier_queues("5m") == ("shop.v1.delay.5m", "shop.v1.delay.5m.1")
+    assert topology.tier_exchanges("5m") == topology.tier_queues("5m")
+    assert topology.tier_queues("1s")[0] == "shop.v1.delay.1s"
+    assert topology.tier_queues("1s")[-1] == "shop.v1.delay.1s.7"
+    assert topology.scaling.leader_locator.value == "client-local"
+    assert topology.scaling.replicas == 3
+    with pytest.raises(KeyError):
+        topology.shards("2h")
+
+
+@pytest.mark.parametrize(
+    ("scaling", "expected"),
+    [
+        ({"shards": 0}, "scaling.shards: Input should be greater than or equal to 1"),
+        ({"shards": 33}, "scaling.shards: Input should be less than or equal to 32"),
+        ({"tier_shards": {"1s": 0}}, "scaling.tier_shards.1s: Input should be greater than"),
+        ({"tier_shards": {"1s": 64}}, "scaling.tier_shards.1s: Input should be less than"),
+        ({"tier_shards": {"2h": 4}}, "scaling.tier_shards: unknown tier '2h'; tiers are ['1s']"),
+        ({"leader_locator": "min-masters"}, "scaling.leader_locator: Input should be 'balanced'"),
+        ({"replicas": 0}, "scaling.replicas: Input should be greater than or equal to 1"),
+        ({"replicas": 9}, "scaling.replicas: Input should be less than or equal to 7"),
+        (
+            {"shard": 2},
+            "scaling.shard: unknown key 'shard'; allowed keys here: shards, tier_shards",
+        ),
+    ],
+)
+def test_invalid_scaling(scaling: dict[str, Any], expected: str) -> None:
+    with pytest.raises(TopologyError) as info:
+        topology_from_dict(minimal(scaling=scaling), "inline.toml")
+    assert expected in str(info.value)
+
+
+@pytest.mark.parametrize("placement", [{"leader_locator": "balanced"}, {"replicas": 3}])
+def test_placement_of_classic_queues_is_refused(placement: dict[str, Any]) -> None:
+    with pytest.raises(TopologyError, match="places quorum queues"):
+        topology_from_dict(minimal(queue_type="classic", scaling=placement))
+
+
+def test_classic_queues_may_have_shards() -> None:
+    topology = topology_from_dict(minimal(queue_type="classic", scaling={"shards": 3}))
+    assert len(topology.tier_queues("1s")) == 3

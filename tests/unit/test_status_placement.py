@@ -1,0 +1,135 @@
+"""`status` and where a quorum queue's replicas are: the management API's `leader`,
+`members` and `online` read into rows, the columns of the table, the flags (pure; the
+same on a real cluster: tests/integration/test_cluster.py)."""
+
+from __future__ import annotations
+
+from io import StringIO
+
+from rich.console import Console
+
+from rabbit_delay.cli.ops import (
+    QueueRow,
+    Role,
+    _status_table,
+    placement_cells,
+    shows_placement,
+    status_rows,
+)
+from rabbit_delay.management import QueueStats, queue_stats
+from rabbit_delay.plan import desired
+from rabbit_delay.topology import Topology, topology_from_dict
+
+A, B, C = "rabbit@a", "rabbit@b", "rabbit@c"
+
+
+def topology() -> Topology:
+    return topology_from_dict(
+        {"namespace": "placement", "tiers": {"3s": "3s"}, "queues": {"orders": {}}}
+    )
+
+
+def stats(leader: str | None, members: tuple[str, ...], online: tuple[str, ...]) -> QueueStats:
+    return QueueStats(0, 0, 0, leader, members, online)
+
+
+def row(**placement: object) -> QueueRow:
+    queue = QueueRow(Role.BUSINESS, "placement.v1.q.orders", None, True, 0, 0, 1)
+    for name, value in placement.items():
+        setattr(queue, name, value)
+    return queue
+
+
+def test_a_quorum_queue_row_of_the_api_gives_its_placement() -> None:
+    got = queue_stats(
+        {
+            "name": "x",
+            "type": "quorum",
+            "messages_ready": 4,
+            "messages_unacknowledged": 1,
+            "consumers": 2,
+            "leader": B,
+            "members": [C, A, B],
+            "online": [B, A],
+        }
+    )
+    assert got == QueueStats(4, 1, 2, B, (A, B, C), (A, B))
+
+
+def test_a_classic_queue_or_an_older_answer_has_no_placement() -> None:
+    classic = queue_stats({"name": "x", "type": "classic", "node": A, "messages_ready": 1})
+    assert (classic.leader, classic.members, classic.online) == (None, None, None)
+    assert classic.ready == 1
+    silent = queue_stats({"name": "x", "type": "quorum", "leader": "", "members": "?"})
+    assert (silent.leader, silent.members, silent.online) == (None, None, None)
+
+
+def test_status_rows_carry_the_placement_and_json_shows_it() -> None:
+    t = topology()
+    everywhere = stats(A, (A, B, C), (A, B, C))
+    api = {spec.name: everywhere for spec in desired(t).queues}
+    rows = status_rows(t, None, api)
+    assert all(r.leader == A and r.members == (A, B, C) for r in rows)
+    assert not any(r.notes or r.attention for r in rows)
+    as_json = rows[0].as_json()
+    assert (as_json["leader"], as_json["members"], as_json["online"]) == (A, [A, B, C], [A, B, C])
+    assert shows_placement(rows)
+
+    without_api = status_rows(t, None, None)
+    assert all(r.as_json()["leader"] is None for r in without_api)
+    assert all(r.as_json()["members"] is None for r in without_api)
+
+
+def test_one_member_offline_is_a_note_a_lost_majority_needs_attention() -> None:
+    t = topology()
+    names = [spec.name for spec in desired(t).queues]
+    degraded, lost = names[0], names[1]
+    api = {name: stats(A, (A, B, C), (A, B, C)) for name in names}
+    api[degraded] = stats(B, (A, B, C), (A, B))
+    api[lost] = stats(None, (A, B, C), (A,))
+    rows = {r.name: r for r in status_rows(t, None, api)}
+    assert rows[degraded].offline == (C,)
+    assert not rows[degraded].attention
+    assert rows[degraded].notes == [f"offline: {C}"]
+    assert rows[lost].majority_lost
+    assert rows[lost].attention
+    assert rows[lost].notes == [f"no majority: 1 of 3 members online, offline: {B}, {C}"]
+    assert placement_cells(rows[degraded]) == (B, "2/3 online")
+    assert placement_cells(rows[lost]) == ("none", "1/3 online")
+
+
+def test_majority_arithmetic() -> None:
+    assert not row(members=(A,), online=(A,)).majority_lost
+    assert row(members=(A,), online=()).majority_lost
+    assert not row(members=(A, B, C), online=(A, C)).majority_lost
+    assert row(members=(A, B), online=(A,)).majority_lost  # 2 members: both needed
+    assert not row(members=(A, B, C), online=None).majority_lost  # the API did not say
+    assert row(members=(A, B, C), online=None).offline == ()
+
+
+def test_cells_say_what_is_unknown() -> None:
+    assert placement_cells(row()) == ("?", "?")
+    assert placement_cells(row(leader=A, members=(A, B), online=None)) == (A, "2")
+
+
+def render(rows: list[QueueRow]) -> str:
+    console = Console(file=StringIO(), width=250, color_system=None)
+    console.print(_status_table("t", rows))
+    output = console.file.getvalue()  # type: ignore[attr-defined]
+    assert isinstance(output, str)
+    return output
+
+
+def test_the_columns_appear_only_for_a_cluster() -> None:
+    single = [row(leader=A, members=(A,), online=(A,)), row(leader=A, members=(A,), online=(A,))]
+    assert not shows_placement(single)
+    assert "leader" not in render(single)
+    assert "leader" not in render([row(), row()])  # no API: the table as it always was
+
+    spread = [row(leader=A, members=(A,), online=(A,)), row(leader=B, members=(B,), online=(B,))]
+    assert shows_placement(spread)  # one replica each, on two nodes: still a cluster
+    text = render([*spread, row(leader=C, members=(A, B, C), online=(A, B, C))])
+    header = next(line for line in text.splitlines() if "leader" in line)
+    assert "members" in header
+    assert "3/3 online" in text
+    assert C in text
