@@ -39,6 +39,8 @@
 #                     Derived: management P+10000, distribution P+20000, CLI P+30000..P+30009.
 #   --no-management   don't enable the management plugin (boots faster)
 #   --conf LINE       extra rabbitmq.conf line (repeatable), e.g. --conf 'consumer_timeout = 5000'
+#   --advanced TERM   an advanced.config entry (repeatable), for settings rabbitmq.conf lacks,
+#                     e.g. --advanced '{rabbit, [{dead_letter_worker_publisher_confirm_timeout, 5000}]}'
 # Started again without options, a node keeps its port and the options it last started with.
 #
 # Every node listens on 127.0.0.1 only; guest may log in (from loopback, RabbitMQ's default).
@@ -256,12 +258,13 @@ start() {
         set -- "${saved[@]}"
     fi
     local options=("$@")
-    local port="" management=1 confs=()
+    local port="" management=1 confs=() advanced=()
     while [ $# -gt 0 ]; do
         case "$1" in
             --port) [ $# -ge 2 ] || die "--port needs a port number"; port=$2; shift 2 ;;
             --no-management) management=0; shift ;;
             --conf) [ $# -ge 2 ] || die "--conf needs a rabbitmq.conf line"; confs+=("$2"); shift 2 ;;
+            --advanced) [ $# -ge 2 ] || die "--advanced needs an Erlang term"; advanced+=("$2"); shift 2 ;;
             *) die "unknown start option '$1'" ;;
         esac
     done
@@ -302,7 +305,14 @@ start() {
         for line in "${confs[@]}"; do echo "$line"; done
     } >"$dir/rabbitmq.conf"
     : >"$dir/rabbitmq-env.conf"
-    [ -f "$dir/advanced.config" ] || echo '[].' >"$dir/advanced.config"
+    if [ ${#advanced[@]} -gt 0 ]; then
+        local joined
+        joined=$(printf '%s,\n' "${advanced[@]}")
+        printf '[\n%s\n].\n' "${joined%,}" >"$dir/advanced.config"
+    elif [ ! -f "$dir/advanced.config" ] || [ -f "$dir/advanced.from-options" ]; then
+        echo '[].' >"$dir/advanced.config"
+    fi
+    if [ ${#advanced[@]} -gt 0 ]; then : >"$dir/advanced.from-options"; else rm -f "$dir/advanced.from-options"; fi
     rm -f "$dir/node.pid"
     chown -R "$uid:$uid" "$dir"
     local starts
@@ -454,7 +464,7 @@ cluster_start() {
         case "$1" in
             --nodes) [ $# -ge 2 ] || die "--nodes needs a number"; nodes=$2; shift 2 ;;
             --port) [ $# -ge 2 ] || die "--port needs a port number"; port=$2; shift 2 ;;
-            --conf) [ $# -ge 2 ] || die "--conf needs a rabbitmq.conf line"; options+=("$1" "$2"); shift 2 ;;
+            --conf | --advanced) [ $# -ge 2 ] || die "$1 needs a value"; options+=("$1" "$2"); shift 2 ;;
             --no-management) options+=("$1"); shift ;;
             *) die "unknown cluster-start option '$1'" ;;
         esac

@@ -271,8 +271,9 @@ class QueueStats:
     lag behind the broker. None where the API has no figure yet (a queue just declared).
 
     For a quorum queue the API also names its Raft `leader` node, its `members` (the
-    nodes holding a replica) and those of them `online`; None for other queue types,
-    or when the API does not say.
+    nodes holding a replica) and those of them `online`, and counts `dead_lettering`:
+    messages it dead-lettered (at-least-once) that the target has not confirmed yet, in
+    neither ready nor unacked. None for other queue types, or when the API does not say.
     """
 
     ready: int | None
@@ -281,6 +282,7 @@ class QueueStats:
     leader: str | None = None
     members: tuple[str, ...] | None = None
     online: tuple[str, ...] | None = None
+    dead_lettering: int | None = None
 
 
 def _count(value: object) -> int | None:
@@ -308,6 +310,7 @@ def queue_stats(row: dict[str, Any]) -> QueueStats:
         _node(row.get("leader")) if quorum else None,
         _nodes(row.get("members")) if quorum else None,
         _nodes(row.get("online")) if quorum else None,
+        _count(row.get("messages_dlx")) if quorum else None,
     )
 
 
@@ -317,7 +320,10 @@ def read_queue_stats(endpoint: ManagementEndpoint, prefix: str) -> dict[str, Que
 
     Raises ManagementUnavailable when the API cannot be used.
     """
-    columns = "name,type,messages_ready,messages_unacknowledged,consumers,leader,members,online"
+    columns = (
+        "name,type,messages_ready,messages_unacknowledged,consumers,leader,members,online,"
+        "messages_dlx"
+    )
     queues = get_json(endpoint, f"queues/{endpoint.vhost_quoted}?columns={columns}")
     if not isinstance(queues, list):
         raise ManagementUnavailable(f"{endpoint.base}: unexpected answer")

@@ -78,6 +78,8 @@ class QueueRow:
     leader: str | None = None
     members: tuple[str, ...] | None = None
     online: tuple[str, ...] | None = None
+    # Dead-lettered by this quorum queue, not yet confirmed by the target (management API).
+    dead_lettering: int | None = None
     notes: list[str] = field(default_factory=list)
     attention: bool = False
 
@@ -108,6 +110,7 @@ class QueueRow:
             "leader": self.leader,
             "members": list(self.members) if self.members is not None else None,
             "online": list(self.online) if self.online is not None else None,
+            "dead_lettering": self.dead_lettering,
             "attention": self.attention,
             "notes": self.notes,
         }
@@ -150,6 +153,7 @@ def status_rows(
             stats.leader if stats is not None else None,
             stats.members if stats is not None else None,
             stats.online if stats is not None else None,
+            stats.dead_lettering if stats is not None else None,
         )
         _flag(row)
         rows.append(row)
@@ -168,6 +172,10 @@ def _flag(row: QueueRow) -> None:
     if row.role in _BUFFERS and row.consumers:
         row.attention = True
         row.notes.append(f"BUG: {row.consumers} consumer(s) on a delay buffer")
+    if row.dead_lettering:
+        row.notes.append(
+            f"{row.dead_lettering} dead-lettered, not yet confirmed by their destination"
+        )
     if row.majority_lost:
         row.attention = True
         online = len(row.members or ()) - len(row.offline)

@@ -70,6 +70,12 @@ def _installed(kind: str) -> str | None:
         return None
 
 
+def installed_version(kind: str) -> tuple[int, ...] | None:
+    """The RabbitMQ version nodes of `kind` (brokers.sh VERSION) run, e.g. (4, 3, 6)."""
+    installed = _installed(kind)
+    return None if installed is None else tuple(int(p) for p in installed.split(".") if p.isdigit())
+
+
 def node_kind_for(info: BrokerInfo) -> str | None:
     """The brokers.sh VERSION that runs the same RabbitMQ major.minor as `info`."""
     version = info.version

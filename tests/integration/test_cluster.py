@@ -19,13 +19,15 @@ test_node_loss, in order:
      now; an async worker consumes with [B, C, A] beside the sync one, an async
      publisher on [B, C, A] publishes 200, B is killed, its next 200 fail over to C,
      and so does the async worker;
-  5. all 3,600 arrive: none lost, none early (rd-due-at vs arrival); duplicates
+  5. all 4,400 arrive: none lost, none early (rd-due-at vs arrival); duplicates
      (at-least-once dead-lettering, re-sent publishes, redelivered deliveries) counted
-     and printed with the failover times (`pytest -s`).
+     and printed with the failover times (`pytest -s`). On 3.10 only, a buffer's
+     dead-lettering into the business queue may stall until B is back (a broker bug,
+     docs/scaling.md#node-loss): then B is restarted, and they must all arrive.
 
-Measured here (3.10.8 / 4.0 / 4.3; 2 loaded cores): the cluster starts in 20-36 s /
-11 s / 18 s, the test takes 15 s / 14 s / 20 s; lost 0, early 0, duplicates 0;
-publishers and workers on another node within about 2 s of the kill.
+Measured here (3.10.8 / 4.0.5 / 4.3.6; 2 loaded cores): the cluster starts in 20-41 s /
+11-28 s / 14-24 s, the test takes 22-29 s / 20-24 s / 30 s; lost 0, early 0,
+duplicates 19-69; publishers and workers on another node within 0.6 s of the kill.
 """
 
 from __future__ import annotations
@@ -50,12 +52,18 @@ from rabbit_delay.cli._app import load_commands
 from rabbit_delay.connection import Backoff, ConnectionSettings
 from rabbit_delay.consumer import App, HandlerContext
 from rabbit_delay.errors import ManagementUnavailable
-from rabbit_delay.management import QueueStats, read_queue_stats
+from rabbit_delay.management import QueueStats, get_json, read_queue_stats
 from rabbit_delay.sync import Publisher, connect, declare
 from rabbit_delay.topology import Topology, topology_from_dict
 from rabbit_delay.urls import MANAGEMENT_URL_ENV, URL_ENV, management_endpoint
 
-from ._scratch_node import ScratchCluster, brokers_sh, scratch_kind, started_cluster
+from ._scratch_node import (
+    ScratchCluster,
+    brokers_sh,
+    installed_version,
+    scratch_kind,
+    started_cluster,
+)
 from .workers.harness import RunningWorker
 
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("cluster")]
@@ -66,7 +74,11 @@ TIER = "3s"
 QUEUE = "cluster.orders"
 SHARDS = 3
 FIRST_WAVE = 3000  # pending when the first node dies
-BATCH = 200  # each later batch: what a failed-over publisher sends
+SECOND_WAVE = 1000  # pending when the second node dies
+BATCH = 200  # what a publisher sends after its node died (its failover)
+# What the test waits, after the second kill, for every message (last due 3 s later).
+DRAIN_S = 15.0
+HELD_MS = 3000  # consumer_disconnected_timeout (RabbitMQ 4.3+) of the test's cluster
 FAST = ConnectionSettings(backoff=Backoff(initial_s=0.05, max_s=0.5), connect_timeout_s=3)
 
 
@@ -78,7 +90,13 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(broker_url: str) -> Iterator[ScratchCluster]:
-    with started_cluster(scratch_kind(broker_url)) as started:
+    kind = scratch_kind(broker_url)
+    conf: list[str] = []
+    if (installed_version(kind) or ()) >= (4, 3):
+        # From 4.3 a quorum queue holds what it delivered to a consumer on a lost node for
+        # this long (default 60 s) before delivering it again: shortened for the test.
+        conf.append(f"consumer_disconnected_timeout = {HELD_MS}")
+    with started_cluster(kind, conf=conf) as started:
         print(f"{started.size}-node cluster of {started.kind} up in {started.started_s:.1f}s")
         yield started
 
@@ -109,6 +127,41 @@ def placement(cluster: ScratchCluster, topology: Topology) -> dict[str, QueueSta
         except ManagementUnavailable:
             continue
     pytest.fail("no member of the cluster answers on its management API")
+
+
+def depths(cluster: ScratchCluster, topology: Topology) -> str:
+    """What each queue holds, as a running member's management API says: ready,
+    unacked, and dead-lettered but not yet confirmed by the target (`messages_dlx`)."""
+    columns = "name,messages_ready,messages_unacknowledged,messages_dlx,consumers,leader"
+    for node in cluster.members:
+        try:
+            rows = get_json(management_endpoint(node.url), f"queues/%2F?columns={columns}")
+        except ManagementUnavailable:
+            continue
+        return "; ".join(
+            f"{row['name']}: ready {row.get('messages_ready')}, unacked "
+            f"{row.get('messages_unacknowledged')}, dlx {row.get('messages_dlx')}, consumers "
+            f"{row.get('consumers')}, leader {row.get('leader')}"
+            for row in rows
+            if str(row.get("name", "")).startswith(topology.names.prefix + ".")
+        )
+    return "(no member answers)"
+
+
+def drained(seen: Seen, wanted: set[str], until: float) -> bool:
+    """Whether every wanted id was handled by `until` (monotonic)."""
+    while not seen.ids() >= wanted:
+        if time.monotonic() > until:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def state(workers: tuple[RunningWorker, ...]) -> str:
+    return "workers: " + ", ".join(
+        f"{w.kind} on {w.worker.url} (consuming: {w.worker.started.is_set()}, error: {w.error!r})"
+        for w in workers
+    )
 
 
 def all_online(cluster: ScratchCluster, topology: Topology, leaders_off: str = "") -> bool:
@@ -268,25 +321,32 @@ def test_node_loss(cluster: ScratchCluster, tmp_path: Path) -> None:
         figures["published_first_s"] = time.monotonic() - began
 
         # -- 3. kill A with the first wave pending in the buffers
+        # when the first messages come due: most still in the buffers, the rest on
+        # their way through the business queue to the sync worker's connection on A
+        wait_for(lambda: seen.ids(), 15, "the first message of the first wave handled")
+        figures["pending_at_first_kill"] = FIRST_WAVE - len(seen.ids())
         killing = time.monotonic()
         moved = Moved(sync_worker, c_node.url, killing)  # it may move during the kill
         a_node.kill()
         killed = time.monotonic()
         figures["kill_s"] = killed - killing
-        figures["pending_at_first_kill"] = FIRST_WAVE - len(seen.ids())
         assert figures["pending_at_first_kill"] > FIRST_WAVE / 2
         published += publisher.publish_many(({"n": i} for i in range(BATCH)), TIER, queue=QUEUE)
         figures["publisher_failover_s"] = time.monotonic() - killed
         assert publisher.connected_url == c_node.url
         figures["sync_worker_failover_s"] = moved.wait()
+        # On 4.x the API's leader and online lag a loss by up to 5 s (each quorum queue
+        # reports them on its Raft tick, `quorum_tick_interval`): status shows it then.
         wait_for(
             lambda: all(
-                q.leader not in (None, a_node.node_name)
+                q.leader not in (None, a_node.node_name) and a_node.node_name not in q.online
                 for q in placement(cluster, topology).values()
+                if q.online is not None
             ),
             20,
-            f"every queue led by a node other than {a_node.name}",
+            f"every queue led by a node other than {a_node.name}, and {a_node.name} offline",
         )
+        figures["api_shows_loss_s"] = time.monotonic() - killing
         degraded = status(path, [c_node.url])
         for row in degraded["queues"]:
             assert a_node.node_name not in row["online"], row
@@ -317,26 +377,42 @@ def test_node_loss(cluster: ScratchCluster, tmp_path: Path) -> None:
         )
         assert async_publisher.connected_url == b_node.url
 
-        async def batch() -> list[str]:
+        async def batch(count: int) -> list[str]:
             assert async_publisher is not None
             return await async_publisher.publish_many(
-                ({"n": i} for i in range(BATCH)), TIER, queue=QUEUE
+                ({"n": i} for i in range(count)), TIER, queue=QUEUE
             )
 
-        published += loop.run_until_complete(batch())
+        second = loop.run_until_complete(batch(SECOND_WAVE))
+        published += second
+        wait_for(lambda: seen.ids() & set(second), 15, "the second wave coming due")
+        figures["pending_at_second_kill"] = len(set(second) - seen.ids())
+        assert figures["pending_at_second_kill"] > SECOND_WAVE / 2
         killing = time.monotonic()
         moved = Moved(async_worker, c_node.url, killing)
         b_node.kill()
         killed = time.monotonic()
-        published += loop.run_until_complete(batch())
+        published += loop.run_until_complete(batch(BATCH))
         figures["async_publisher_failover_s"] = time.monotonic() - killed
         assert async_publisher.connected_url == c_node.url
         figures["async_worker_failover_s"] = moved.wait()
 
         # -- 5. everything arrives, none early
         wanted = set(published)
-        assert len(wanted) == FIRST_WAVE + 3 * BATCH
-        wait_for(lambda: seen.ids() >= wanted, 45, "every published message handled")
+        assert len(wanted) == FIRST_WAVE + SECOND_WAVE + 2 * BATCH
+        workers = (sync_worker, async_worker)
+        if not drained(seen, wanted, killed + DRAIN_S):
+            # RabbitMQ 3.10 only: a buffer's at-least-once dead-lettering into a queue
+            # whose leader was lost can stall until that node is back (the broker's
+            # confirm timeout does not resend them); 4.0 and 4.3 resend to the new leader.
+            stalled = f"{len(wanted - seen.ids())} of {len(wanted)} messages not handled"
+            if (installed_version(cluster.kind) or (0,)) >= (4, 0):
+                pytest.fail(f"{stalled}: {depths(cluster, topology)}; {state(workers)}")
+            figures["stalled_until_b_back"] = len(wanted - seen.ids())
+            print(f"{stalled} {DRAIN_S}s after the kill, B restarted: {depths(cluster, topology)}")
+            b_node.start()
+            if not drained(seen, wanted, time.monotonic() + DRAIN_S):
+                pytest.fail(f"{stalled} with B back: {depths(cluster, topology)}; {state(workers)}")
         time.sleep(0.5)  # late duplicates of the last deliveries
     finally:
         if async_worker is not None:
@@ -351,6 +427,7 @@ def test_node_loss(cluster: ScratchCluster, tmp_path: Path) -> None:
     lost = wanted - set(handled)
     early = [c for c in calls if c.lateness_ms is None or c.lateness_ms < 0]
     duplicates = sum(count - 1 for count in handled.values())
+    figures["max_lateness_s"] = max((c.lateness_ms or 0) for c in calls) / 1000
     by_worker = Counter(c.worker for c in calls)
     figures["total_s"] = time.monotonic() - began
     print(

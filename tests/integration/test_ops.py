@@ -174,9 +174,21 @@ def test_status_counts_and_flags(ops: Ops, broker_url: str) -> None:
         if extra:  # management API down: live counts still there, unacked unknown
             assert data["sources"]["unacked"] is None
             assert all(row["unacked"] is None for row in rows.values())
+            assert data["sources"]["placement"] is None
+            assert all(
+                row["leader"] is row["members"] is row["online"] is None for row in rows.values()
+            )
+        else:  # one node: it leads every quorum queue and is its only member, online
+            assert data["sources"]["placement"] == "management API"
+            node = buffer["leader"]
+            assert isinstance(node, str)
+            assert "@" in node
+            for row in rows.values():
+                assert (row["leader"], row["members"], row["online"]) == (node, [node], [node])
         checked = ops.run("status", "--check", *extra)
         assert checked.exit_code == EXIT_ATTENTION
         assert "needs attention" in checked.stdout
+        assert "leader" not in checked.stdout  # the columns are for clusters only
         assert n.parking_queue("orders.cancel") in checked.stdout
 
 

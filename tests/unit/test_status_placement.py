@@ -51,9 +51,10 @@ def test_a_quorum_queue_row_of_the_api_gives_its_placement() -> None:
             "leader": B,
             "members": [C, A, B],
             "online": [B, A],
+            "messages_dlx": 32,
         }
     )
-    assert got == QueueStats(4, 1, 2, B, (A, B, C), (A, B))
+    assert got == QueueStats(4, 1, 2, B, (A, B, C), (A, B), 32)
 
 
 def test_a_classic_queue_or_an_older_answer_has_no_placement() -> None:
@@ -96,6 +97,20 @@ def test_one_member_offline_is_a_note_a_lost_majority_needs_attention() -> None:
     assert rows[lost].notes == [f"no majority: 1 of 3 members online, offline: {B}, {C}"]
     assert placement_cells(rows[degraded]) == (B, "2/3 online")
     assert placement_cells(rows[lost]) == ("none", "1/3 online")
+
+
+def test_messages_being_dead_lettered_are_noted() -> None:
+    """A buffer's dead-lettered messages wait for their destination's confirm in neither
+    ready nor unacked (`messages_dlx`): without the note such a buffer looks empty."""
+    t = topology()
+    buffer = t.names.tier_queue("3s")
+    api = {spec.name: stats(A, (A, B, C), (A, B, C)) for spec in desired(t).queues}
+    api[buffer] = QueueStats(0, 0, 0, A, (A, B, C), (A, B, C), 370)
+    rows = {r.name: r for r in status_rows(t, None, api)}
+    assert rows[buffer].notes == ["370 dead-lettered, not yet confirmed by their destination"]
+    assert rows[buffer].as_json()["dead_lettering"] == 370
+    assert not rows[buffer].attention
+    assert all(r.dead_lettering is None for r in status_rows(t, None, None))
 
 
 def test_majority_arithmetic() -> None:
