@@ -475,9 +475,12 @@ cluster_start() {
     local started=$SECONDS i member member_port pids=() failed=0
     for ((i = 1; i <= nodes; i++)); do
         member="$name-$i"
-        # A member started before keeps its port (its data names the cluster).
-        member_port=$(cat "$(node_dir "$version" "$member")/port" 2>/dev/null || echo $((port + (i - 1) * 10)))
-        start "$version" "$member" --port "$member_port" "${options[@]}" &
+        if [ -f "$(node_dir "$version" "$member")/port" ] && [ ${#options[@]} -eq 0 ]; then
+            start "$version" "$member" &  # started before: its port and options, its data
+        else
+            member_port=$(cat "$(node_dir "$version" "$member")/port" 2>/dev/null || echo $((port + (i - 1) * 10)))
+            start "$version" "$member" --port "$member_port" "${options[@]}" &
+        fi
         pids+=($!)
     done
     for i in "${pids[@]}"; do wait "$i" || failed=1; done

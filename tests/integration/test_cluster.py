@@ -17,17 +17,18 @@ test_node_loss, in order:
   4. A is started again (it rejoins with its data) and every replica is back online:
      two nodes down at once would leave no majority. B is the business queue's leader
      now; an async worker consumes with [B, C, A] beside the sync one, an async
-     publisher on [B, C, A] publishes 200, B is killed, its next 200 fail over to C,
-     and so does the async worker;
+     publisher on [B, C, A] publishes 1,000, B is killed as they come due (most still
+     in the buffers), its next 200 fail over to C, and so does the async worker;
   5. all 4,400 arrive: none lost, none early (rd-due-at vs arrival); duplicates
      (at-least-once dead-lettering, re-sent publishes, redelivered deliveries) counted
-     and printed with the failover times (`pytest -s`). On 3.10 only, a buffer's
-     dead-lettering into the business queue may stall until B is back (a broker bug,
-     docs/scaling.md#node-loss): then B is restarted, and they must all arrive.
+     and printed with the failover times (`pytest -s`).
+On 3.10, B dies before the 1,000 are published instead of under them: there a buffer's
+dead-lettering into a queue whose leader is lost can stall for minutes (a broker bug,
+docs/scaling.md#node-loss).
 
 Measured here (3.10.8 / 4.0.5 / 4.3.6; 2 loaded cores): the cluster starts in 20-41 s /
-11-28 s / 14-24 s, the test takes 22-29 s / 20-24 s / 30 s; lost 0, early 0,
-duplicates 19-69; publishers and workers on another node within 0.6 s of the kill.
+11-28 s / 12-24 s, the test takes 19-29 s / 20-24 s / 28-33 s; lost 0, early 0,
+duplicates 19-79; publishers and workers on another node within 0.6 s of the kill.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ from ._scratch_node import (
 )
 from .workers.harness import RunningWorker
 
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("cluster")]
+pytestmark = [pytest.mark.integration, pytest.mark.cluster, pytest.mark.xdist_group("cluster")]
 
 load_commands()
 
@@ -383,36 +384,37 @@ def test_node_loss(cluster: ScratchCluster, tmp_path: Path) -> None:
                 ({"n": i} for i in range(count)), TIER, queue=QUEUE
             )
 
-        second = loop.run_until_complete(batch(SECOND_WAVE))
-        published += second
-        wait_for(lambda: seen.ids() & set(second), 15, "the second wave coming due")
-        figures["pending_at_second_kill"] = len(set(second) - seen.ids())
-        assert figures["pending_at_second_kill"] > SECOND_WAVE / 2
+        # RabbitMQ 3.10: a buffer's at-least-once dead-lettering into a queue whose
+        # leader is lost can stall for minutes (3 of 8 runs here; not resent at the
+        # confirm timeout, docs/scaling.md#node-loss). There B dies before the second
+        # wave instead of under it; 4.0 and 4.3 resend to the new leader at once.
+        under_load = (installed_version(cluster.kind) or (0,)) >= (4, 0)
+        if under_load:
+            second = loop.run_until_complete(batch(SECOND_WAVE))
+            published += second
+            wait_for(lambda: seen.ids() & set(second), 15, "the second wave coming due")
+            figures["pending_at_second_kill"] = len(set(second) - seen.ids())
+            assert figures["pending_at_second_kill"] > SECOND_WAVE / 2
         killing = time.monotonic()
         moved = Moved(async_worker, c_node.url, killing)
         b_node.kill()
         killed = time.monotonic()
-        published += loop.run_until_complete(batch(BATCH))
+        published += loop.run_until_complete(batch(BATCH if under_load else SECOND_WAVE))
         figures["async_publisher_failover_s"] = time.monotonic() - killed
         assert async_publisher.connected_url == c_node.url
         figures["async_worker_failover_s"] = moved.wait()
+        if not under_load:
+            published += loop.run_until_complete(batch(BATCH))
 
         # -- 5. everything arrives, none early
         wanted = set(published)
         assert len(wanted) == FIRST_WAVE + SECOND_WAVE + 2 * BATCH
-        workers = (sync_worker, async_worker)
         if not drained(seen, wanted, killed + DRAIN_S):
-            # RabbitMQ 3.10 only: a buffer's at-least-once dead-lettering into a queue
-            # whose leader was lost can stall until that node is back (the broker's
-            # confirm timeout does not resend them); 4.0 and 4.3 resend to the new leader.
-            stalled = f"{len(wanted - seen.ids())} of {len(wanted)} messages not handled"
-            if (installed_version(cluster.kind) or (0,)) >= (4, 0):
-                pytest.fail(f"{stalled}: {depths(cluster, topology)}; {state(workers)}")
-            figures["stalled_until_b_back"] = len(wanted - seen.ids())
-            print(f"{stalled} {DRAIN_S}s after the kill, B restarted: {depths(cluster, topology)}")
-            b_node.start()
-            if not drained(seen, wanted, time.monotonic() + DRAIN_S):
-                pytest.fail(f"{stalled} with B back: {depths(cluster, topology)}; {state(workers)}")
+            pytest.fail(
+                f"{len(wanted - seen.ids())} of {len(wanted)} messages not handled "
+                f"{DRAIN_S}s after the second kill: {depths(cluster, topology)}; "
+                f"{state((sync_worker, async_worker))}"
+            )
         time.sleep(0.5)  # late duplicates of the last deliveries
     finally:
         if async_worker is not None:
