@@ -487,9 +487,14 @@ def plan_from_presence(want: Desired, present: Mapping[tuple[Kind, str], bool]) 
 
 @dataclass(frozen=True, slots=True)
 class Exists:
-    """Passive declare: does the object exist? The driver answers a bool."""
+    """Passive declare: does the object exist? The driver answers a bool.
+
+    `optional`: a probe of an object the topology does not need (a retired shard): a
+    user whose permissions do not cover it is refused (403 on 4.3+), which answers False.
+    """
 
     spec: ObjectSpec
+    optional: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -770,11 +775,11 @@ def _probe_retired_shards(want: Desired) -> Generator[Operation, object, tuple[P
     for tier, count in want.tier_shards.items():
         for shard in range(count, MAX_SHARDS):
             queue = QueueSpec(want.names.tier_queue(tier, shard))
-            if not (yield Exists(queue)):
+            if not (yield Exists(queue, optional=True)):
                 break
             queues.append(queue.name)
             exchange = ExchangeSpec(want.names.tier_exchange(tier, shard), "fanout")
-            if (yield Exists(exchange)):
+            if (yield Exists(exchange, optional=True)):
                 exchanges.append(exchange.name)
     return retired_shards(want, exchanges, queues)
 
@@ -843,3 +848,18 @@ def declare_program(
     ordered = [items[(s.kind, s.name)] for s in want.objects]
     ordered += [items[(Kind.BINDING, b.name)] for b in want.bindings]
     return DeclareReport(tuple(ordered))
+
+
+NOT_ANSWERED = object()
+
+
+def refusal_answer(op: Operation, code: int | None, text: str) -> object:
+    """What a channel the broker closed with `code` / `text` answers for `op` (the same
+    for both transports' declarers), or NOT_ANSWERED when it is an error of the call."""
+    if isinstance(op, Exists) and (code == 404 or (code == 403 and op.optional)):
+        return False
+    if isinstance(op, Declare) and code == 406:
+        return text
+    if isinstance(op, SupportsType) and code == 403:
+        return True  # the type passed the check; the reserved name was refused
+    return NOT_ANSWERED

@@ -25,6 +25,7 @@ from rabbit_delay.aio._errors import (
 )
 from rabbit_delay.errors import MissingPluginError
 from rabbit_delay.plan import (
+    NOT_ANSWERED,
     PLUGIN_HINT,
     ROUTING_PROBE_TIMEOUT_S,
     TYPE_PROBE_EXCHANGE,
@@ -44,6 +45,7 @@ from rabbit_delay.plan import (
     desired,
     permission,
     plan_program,
+    refusal_answer,
 )
 from rabbit_delay.topology import Topology
 
@@ -87,12 +89,9 @@ class _Executor:
             code, text = reply_of(exc, CHANNEL_CODES)
             if UNKNOWN_EXCHANGE_TYPE.search(text):  # 4.x: 406, channel only
                 raise MissingPluginError(f"{text}: {PLUGIN_HINT}") from None
-            if isinstance(op, SupportsType) and code == 403:
-                return True  # the type passed the check; the reserved name was refused
-            if isinstance(op, Exists) and code == 404:
-                return False
-            if isinstance(op, Declare) and code == 406:
-                return text
+            answer = refusal_answer(op, code, text)
+            if answer is not NOT_ANSWERED:
+                return answer
             raise translate(exc, doing=describe(op), permission=permission(op)) from None
         except CLIENT_ERRORS as exc:
             raise translate(exc, doing=describe(op), permission=permission(op)) from None

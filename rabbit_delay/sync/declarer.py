@@ -14,6 +14,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 
 from rabbit_delay.errors import MissingPluginError
 from rabbit_delay.plan import (
+    NOT_ANSWERED,
     PLUGIN_HINT,
     ROUTING_PROBE_TIMEOUT_S,
     TYPE_PROBE_EXCHANGE,
@@ -34,6 +35,7 @@ from rabbit_delay.plan import (
     desired,
     permission,
     plan_program,
+    refusal_answer,
 )
 from rabbit_delay.sync._connection import broker_info
 from rabbit_delay.sync._errors import CLIENT_ERRORS, mapped, translate
@@ -69,12 +71,9 @@ class _Executor:
             self._ch = None
             if UNKNOWN_EXCHANGE_TYPE.search(exc.reply_text):  # 4.x: 406, channel only
                 raise MissingPluginError(f"{exc.reply_text}: {PLUGIN_HINT}") from None
-            if isinstance(op, Exists) and exc.reply_code == 404:
-                return False
-            if isinstance(op, Declare) and exc.reply_code == 406:
-                return exc.reply_text
-            if isinstance(op, SupportsType) and exc.reply_code == 403:
-                return True  # the type passed the check; the reserved name was refused
+            answer = refusal_answer(op, exc.reply_code, exc.reply_text)
+            if answer is not NOT_ANSWERED:
+                return answer
             raise translate(exc, doing=describe(op), permission=permission(op)) from None
         except pika.exceptions.ConnectionClosedByBroker as exc:
             if UNKNOWN_EXCHANGE_TYPE.search(exc.reply_text):  # 3.x: 503, whole connection

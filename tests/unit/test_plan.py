@@ -794,3 +794,16 @@ def test_redeclare_still_finds_a_real_conflict_behind_a_placement_difference(
         ArgumentConflict("queue", "shop.v1.delay.1s", "x-message-ttl", 5000, 1000),
     )
     assert broker.created == []
+
+
+def test_a_refused_probe_of_a_retired_shard_answers_absent_and_other_refusals_are_errors() -> None:
+    from rabbit_delay.plan import NOT_ANSWERED, Declare, Exists, QueueSpec, refusal_answer
+
+    spec = QueueSpec("ns.v1.delay.1s.1")
+    assert refusal_answer(Exists(spec, optional=True), 403, "ACCESS_REFUSED") is False
+    assert refusal_answer(Exists(spec), 403, "ACCESS_REFUSED") is NOT_ANSWERED
+    assert refusal_answer(Exists(spec), 404, "NOT_FOUND") is False
+    assert (
+        refusal_answer(Declare(spec), 406, "PRECONDITION_FAILED - x") == "PRECONDITION_FAILED - x"
+    )
+    assert refusal_answer(Declare(spec), 403, "ACCESS_REFUSED") is NOT_ANSWERED
