@@ -50,7 +50,6 @@ median p99 lateness <= 1 s), else 0.
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
 import json
 import multiprocessing
@@ -62,7 +61,6 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -72,6 +70,7 @@ from urllib.parse import quote
 
 import pika
 import pika.exceptions
+from bench_delays import api, node_memory  # the same management reads as bench_delays
 
 from rabbit_delay.errors import RabbitDelayError
 from rabbit_delay.message import now_ms
@@ -79,7 +78,7 @@ from rabbit_delay.sync import Publisher, connected
 from rabbit_delay.sync import declare as sync_declare
 from rabbit_delay.sync import delete_topology as sync_delete_topology
 from rabbit_delay.topology import Topology, topology_from_dict
-from rabbit_delay.urls import ManagementEndpoint, broker_url, management_endpoint, redact
+from rabbit_delay.urls import broker_url, management_endpoint, redact
 
 BROKERS_SH = Path(__file__).resolve().parents[1] / ".ci" / "brokers.sh"
 QUEUE = "sink"
@@ -207,25 +206,6 @@ def scratch_cluster(kind: str, log: Log) -> Iterator[list[str]]:
 
 def ctl_eval(kind: str, node: str, expr: str) -> str:
     return brokers_sh("ctl", kind, node, "eval", expr, timeout=120).strip()
-
-
-# -- management API ---------------------------------------------------------------------
-
-
-def api(endpoint: ManagementEndpoint, path: str) -> Any:
-    request = urllib.request.Request(endpoint.url(path))
-    token = base64.b64encode(f"{endpoint.username}:{endpoint.password}".encode()).decode()
-    request.add_header("Authorization", f"Basic {token}")
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.load(response)
-
-
-def node_memory(endpoint: ManagementEndpoint) -> dict[str, int]:
-    node = api(endpoint, "overview")["node"]
-    breakdown = api(endpoint, f"nodes/{quote(node, safe='')}/memory")["memory"]
-    flat = {k: v for k, v in breakdown.items() if isinstance(v, int)}
-    flat["total"] = int(breakdown["total"]["erlang"])
-    return flat
 
 
 def broker_version(url: str) -> str:

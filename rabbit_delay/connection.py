@@ -21,7 +21,7 @@ from enum import StrEnum
 from urllib.parse import parse_qsl, urlsplit
 
 from rabbit_delay.errors import ConfigError
-from rabbit_delay.tls import TLSOptions, describe_tls_error
+from rabbit_delay.tls import TLSOptions, describe_tls_error, exception_chain
 from rabbit_delay.urls import DEFAULT_URL, URL_ENV, broker_urls, redact, vhost_of
 
 DEFAULT_HEARTBEAT_S = 60.0
@@ -126,35 +126,12 @@ class Cause(StrEnum):
     PROTOCOL = "no AMQP"
 
 
-def _chain(exc: BaseException) -> Iterator[BaseException]:
-    """`exc`, its causes and contexts, and the exceptions it wraps, each once.
-
-    pika wraps the socket error in a connector error (`.exception`) in a workflow error
-    (`.exceptions`) in args; aiormq re-raises an OSError as its own error `from` it; an
-    ExceptionGroup keeps its members in `.exceptions`.
-    """
-    seen: set[int] = set()
-    todo = [exc]
-    while todo:
-        current = todo.pop(0)
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        yield current
-        wrapped = [*current.args, getattr(current, "exception", None)]
-        members = getattr(current, "exceptions", ())
-        if isinstance(members, tuple | list):
-            wrapped.extend(members)
-        todo.extend(w for w in wrapped if isinstance(w, BaseException))
-        todo.extend(c for c in (current.__cause__, current.__context__) if c is not None)
-
-
 def cause_of(exc: BaseException) -> Cause | None:
     """The cause of a failed connection attempt, None when it is none of the known ones.
     Recognised by builtin types, errno and the clients' class names (no client import)."""
     if describe_tls_error(exc) is not None:
         return Cause.TLS
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         name = type(e).__name__
         if isinstance(e, socket.gaierror):
             return Cause.DNS
@@ -177,7 +154,7 @@ def cause_of(exc: BaseException) -> Cause | None:
 
 def _innermost(exc: BaseException) -> BaseException:
     last = exc
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         if e.args and not isinstance(e.args[0], BaseException):
             last = e
     return last

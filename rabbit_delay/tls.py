@@ -157,7 +157,7 @@ def split_tls(url: str, options: TLSOptions | None = None) -> tuple[str, TLSOpti
 # -- telling a user why a TLS handshake failed (both transports, the management API) --
 
 
-def _chain(exc: BaseException) -> Iterator[BaseException]:
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
     """`exc`, what it wraps (args, `.exception`, `.exceptions`), its cause and context."""
     seen: set[int] = set()
     todo = [exc]
@@ -180,7 +180,7 @@ def describe_tls_error(exc: BaseException) -> str | None:
     """One sentence saying why a TLS handshake failed and what to fix, or None when
     `exc` (or anything it wraps) is no TLS error. For connection errors of pika, aiormq
     and urllib alike (each wraps the ssl error its own way; pika sometimes only as text)."""
-    chain = list(_chain(exc))
+    chain = list(exception_chain(exc))
     for e in chain:
         if isinstance(e, ssl.SSLCertVerificationError):
             detail = getattr(e, "verify_message", None) or getattr(e, "reason", None) or str(e)
