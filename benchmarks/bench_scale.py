@@ -86,6 +86,13 @@ TIER = "burst"
 PENDING_TIER = "pending"
 SHARDS = (1, 2, 4, 8)
 CHUNK = 5_000
+# A paced burst publishes rate/PACE_TICKS messages PACE_TICKS times a second.
+PACE_TICKS = 20
+PACED_SHARDS = (1, 4, 8)
+# Below what this 2-core node publishes and dead-letters at once (7-8k msg/s with 4-8
+# shards), above what one buffer dead-letters (4-5k msg/s).
+PACED_RATE = 5_000
+PHASES = ("node", "paced", "cluster", "prefetch", "pending")
 BODY: dict[str, Any] = {"order_id": 1234567, "reason": "payment-timeout", "customer": "c-000042"}
 P99_TARGET_MS = 1_000  # issue 10: the best shard count, one node
 PREFETCH_KEY = "dead_letter_worker_consumer_prefetch"
@@ -300,16 +307,28 @@ def pct(ordered: list[int], p: float) -> int | None:
 # -- one burst ----------------------------------------------------------------------------
 
 
-def burst(url: str, consume_url: str, topology: Topology, tier: str, count: int) -> dict[str, Any]:
-    """Publish `count` messages into `tier` at full speed; what the consumer saw."""
+def burst(
+    url: str,
+    consume_url: str,
+    topology: Topology,
+    tier: str,
+    count: int,
+    rate: int | None = None,
+) -> dict[str, Any]:
+    """Publish `count` messages into `tier` at full speed (or at `rate` msg/s, in a
+    `publish_many` of rate/20 messages every 50 ms on a fixed schedule); what the
+    consumer saw."""
     tier_s = topology.tiers[tier] / 1000
     deadline_s = tier_s + count / 500 + 30  # generous: a slow drain still gets measured
     consumer = Consumer(consume_url, topology.names.business_queue(QUEUE), count, deadline_s)
+    chunk = CHUNK if rate is None else max(1, rate // PACE_TICKS)
     with Publisher(topology, url) as publisher:
         publisher.publish_many([BODY] * 10, tier, queue=QUEUE)  # warm-up (counted as sent)
         t0 = time.perf_counter()
-        for start in range(0, count - 10, CHUNK):
-            publisher.publish_many([BODY] * min(CHUNK, count - 10 - start), tier, queue=QUEUE)
+        for i, start in enumerate(range(0, count - 10, chunk)):
+            if rate is not None:  # the next tick of the schedule (never catches up in bulk)
+                time.sleep(max(0.0, t0 + i * chunk / rate - time.perf_counter()))
+            publisher.publish_many([BODY] * min(chunk, count - 10 - start), tier, queue=QUEUE)
         publish_s = time.perf_counter() - t0
     arrivals, dues, distinct, error = consumer.result(deadline_s + 30)
     late = sorted(a - d for a, d in zip(arrivals, dues, strict=True))
@@ -355,13 +374,14 @@ def interleaved(
     count: int,
     log: Log,
     before: Callable[[Series], None] | None = None,
+    rate: int | None = None,
 ) -> None:
     for r in range(rounds):
         order = series[r % len(series) :] + series[: r % len(series)]
         for s in order:
             if before is not None:
                 before(s)
-            b = burst(url, consume_url, s.topology, TIER, count)
+            b = burst(url, consume_url, s.topology, TIER, count, rate)
             s.bursts.append(b)
             log(
                 f"round {r + 1}/{rounds} {s.label}: publish {b['publish_msg_s']:,}/s, "
@@ -427,6 +447,21 @@ def shard_phase(urls: list[str], sizes: Sizes, log: Log) -> dict[str, Any]:
         out["members"] = [redact(u) for u in urls]
         out["buffer_leaders"] = placement
     return out
+
+
+def paced_phase(url: str, sizes: Sizes, rate: int, log: Log) -> dict[str, Any]:
+    """shards = 1, 4, 8 interleaved at a sustained `rate` msg/s (not full speed): the
+    lateness a tier gives when the node is not saturated by the publisher itself."""
+    tiers = {TIER: f"{sizes.tier_s}s"}
+    series = [Series(f"shards={n}", make_topology(tiers, n)) for n in PACED_SHARDS]
+    try:
+        for s in series:
+            declare(url, s.topology)
+        interleaved(series, sizes.prefetch_rounds, url, url, sizes.messages, log, rate=rate)
+    finally:
+        for s in series:
+            delete_topology(url, s.topology, log)
+    return {"broker": redact(url), "rate_msg_s": rate, "rows": summarise(series)}
 
 
 def prefetch_phase(kind: str, sizes: Sizes, log: Log) -> dict[str, Any]:
@@ -549,6 +584,9 @@ def print_report(result: dict[str, Any]) -> None:
     )
     if "node" in result:
         print_rows("one node", result["node"])
+    if "paced" in result:
+        rate = result["paced"].get("rate_msg_s")
+        print_rows(f"one node, paced at {fmt(rate)} msg/s (not full speed)", result["paced"])
     if "cluster" in result:
         print_rows("3-node cluster", result["cluster"])
     if "prefetch" in result:
@@ -570,7 +608,7 @@ def print_report(result: dict[str, Any]) -> None:
 
 def correctness_failures(result: dict[str, Any]) -> list[str]:
     out = []
-    for phase in ("node", "cluster", "prefetch"):
+    for phase in ("node", "paced", "cluster", "prefetch"):
         for label, r in result.get(phase, {}).get("rows", {}).items():
             if r["early"] or r["lost"]:
                 out.append(f"{phase} {label}: {r['early']} early, {r['lost']} lost")
@@ -599,7 +637,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--scratch", default="host", metavar="VERSION", help="scratch node version (host)"
     )
-    parser.add_argument("--only", choices=("node", "cluster", "prefetch", "pending"), nargs="*")
+    parser.add_argument("--only", choices=PHASES, nargs="*")
+    parser.add_argument(
+        "--rate",
+        type=int,
+        default=PACED_RATE,
+        metavar="N",
+        help=f"msg/s of the paced phase (default {PACED_RATE:,})",
+    )
     parser.add_argument("--strict", action="store_true", help="exit 1 when the target is missed")
     args = parser.parse_args(argv)
     # A kill (TERM) still runs every `finally`: topologies deleted, scratch nodes removed.
@@ -614,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.pending and args.quick:
         parser.error("--pending is for a full run only (drop --quick)")
-    only = set(args.only or ("node", "cluster", "prefetch", "pending"))
+    only = set(args.only or PHASES)
     url = broker_url(args.url)
 
     def log(line: str) -> None:
@@ -634,6 +679,8 @@ def main(argv: list[str] | None = None) -> int:
     phases: list[tuple[str, Callable[[], dict[str, Any]]]] = []
     if "node" in only:
         phases.append(("node", lambda: shard_phase([url], sizes, log)))
+    if not args.quick and "paced" in only:
+        phases.append(("paced", lambda: paced_phase(url, sizes, args.rate, log)))
     if args.cluster and "cluster" in only:
 
         def cluster() -> dict[str, Any]:

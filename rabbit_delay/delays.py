@@ -29,6 +29,9 @@ from rabbit_delay.topology import Topology
 MAX_ROUTING_KEY_BYTES = 255
 CASCADE = CASCADE_KIND
 PLUGIN = "plugin"
+# `rd-tier` of a message sent straight to the due exchange (already due: a replay, or a
+# pending message moved after its due time).
+IMMEDIATE = "now"
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +147,47 @@ class Router:
             f"no tier has a delay of {format_ms(delay_ms)} (tiers: {tiers}); use one of "
             "these delays, or enable arbitrary delays with a [cascade] table in the topology"
         )
+
+    def immediate(self, key: str) -> Route:
+        """Straight to the due exchange with `key`: delivered now."""
+        return Route(self._names.due_exchange(), key, IMMEDIATE, 0, key)
+
+    def resolve_remaining(self, key: str, remaining_ms: int) -> Route:
+        """The route for a message that must wait `remaining_ms` more (its due time
+        already fixed: a pending message moved to another topology or broker, an outbox
+        row relayed late). Never early, as little late as the topology allows:
+
+        - due already (<= 0): the due exchange, now;
+        - with a cascade or the plugin: the exact remaining delay (cascade: rounded up
+          to its resolution);
+        - else the shortest tier the target accepts that is not shorter than what
+          remains; `route.delay_ms - remaining_ms` is how late that makes it.
+
+        Raises DelayError when what remains is longer than every tier the target
+        accepts (it would be early), naming the longest.
+        """
+        if remaining_ms <= 0:
+            return self.immediate(key)
+        if self.topology.cascade is not None or self.topology.plugin is not None:
+            try:
+                return self.resolve(key, delay_ms=remaining_ms)
+            except UnknownTargetError:
+                pass  # a binding key, which the cascade cannot carry: the tiers may
+        fitting = sorted(
+            (ms, tier)
+            for tier, ms in self._tier_ms.items()
+            if ms >= remaining_ms and self._tier_allowed(key, tier)
+        )
+        if not fitting:
+            accepted = [t for t in self._tier_ms if self._tier_allowed(key, t)]
+            longest = max(accepted, key=self._tier_ms.__getitem__) if accepted else None
+            raise DelayError(
+                f"{format_ms(remaining_ms)} remain, longer than every tier target {key!r} "
+                f"accepts (longest: {longest or 'none'}"
+                + (f" = {format_ms(self._tier_ms[longest])}" if longest else "")
+                + "); it would arrive early: add a longer tier or a [cascade] to the topology"
+            )
+        return self._tier_route(key, fitting[0][1])
 
     def _tier_allowed(self, key: str, tier: str) -> bool:
         return all(tier in self._allowed[q] for q in self._key_queues[key])

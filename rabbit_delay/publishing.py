@@ -326,11 +326,16 @@ class PublisherCore(Generic[OneT, ManyT]):
         message_id: str | None = None,
         headers: Mapping[str, object] | None = None,
         attempt: int = 1,
+        due_at: int | None = None,
+        requested_ms: int | None = None,
     ) -> Outgoing:
+        """The message to send on `route`. `due_at` keeps a due time fixed earlier (a
+        moved pending message, a relayed outbox row; default: now + the route's delay),
+        `requested_ms` the delay first asked for (default: the route's)."""
         all_headers: dict[str, object] = dict(headers) if headers else {}
         all_headers.update(route.headers)
-        all_headers[h.H_DUE_AT] = now + route.delay_ms
-        all_headers[h.H_DELAY_MS] = route.delay_ms
+        all_headers[h.H_DUE_AT] = due_at if due_at is not None else now + route.delay_ms
+        all_headers[h.H_DELAY_MS] = requested_ms if requested_ms is not None else route.delay_ms
         all_headers[h.H_TIER] = route.tier
         all_headers[h.H_ATTEMPT] = attempt
         all_headers[h.H_TARGET] = route.target

@@ -26,14 +26,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 from rabbit_delay import names as h
-from rabbit_delay.delays import Route, Router
+from rabbit_delay.delays import IMMEDIATE, Route, Router
 from rabbit_delay.errors import UnknownTargetError
 from rabbit_delay.message import BINARY, Outgoing, new_message_id, strip_broker_headers
 from rabbit_delay.publishing import PublisherCore
 from rabbit_delay.topology import Topology
 
-# `rd-tier` of a message replayed without delay.
-IMMEDIATE = "now"
 # Written when a message is parked; meaningless once it is replayed.
 PARKING_HEADERS = (
     h.H_ERROR_TYPE,
@@ -211,10 +209,9 @@ class ParkedReplay:
         self.parking_queue = n.parking_queue(self.queue)
         self.business_queue = n.business_queue(self.queue)
         key = n.queue_key(self.queue)
+        router = Router(topology)
         self.route: Route = (
-            Route(n.due_exchange(), key, IMMEDIATE, 0, key)
-            if tier is None
-            else Router(topology).resolve(key, tier=tier)
+            router.immediate(key) if tier is None else router.resolve(key, tier=tier)
         )
 
     @property

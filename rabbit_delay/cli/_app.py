@@ -46,6 +46,17 @@ TopologyArg = Annotated[
         show_default=False,
     ),
 ]
+# The one way every command takes the topology file (plan, declare, status and delete
+# also take it as their argument).
+TopologyOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--topology",
+        "-f",
+        help=f"Topology TOML file (default: ${TOPOLOGY_ENV}, else the only *.toml in ./topology).",
+        show_default=False,
+    ),
+]
 UrlOpt = Annotated[
     list[str] | None,
     typer.Option(

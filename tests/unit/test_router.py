@@ -301,3 +301,62 @@ def test_worker_retries_and_replays_through_a_sharded_tier_shard_by_id(sharded: 
         assert out.exchange == SHARDS_5M[delays.shard_index(mid, 4)]
         retried = PublisherCore.outgoing(retry, b"{}", "application/json", 1_000, mid)
         assert retried.exchange == out.exchange
+
+
+# -- a due time fixed earlier: what remains of it (transfer, outbox relay) ---------------
+
+
+def test_remaining_picks_the_shortest_accepted_tier_not_shorter(topology: Topology) -> None:
+    router = Router(topology)
+    key = topology.names.queue_key("push")
+    assert router.resolve_remaining(key, 60_000).tier == "5m"  # 4 min late at most
+    assert router.resolve_remaining(key, 300_000).tier == "5m"  # exact
+    assert router.resolve_remaining(key, 300_001).tier == "30m"  # never early
+    # orders.cancel accepts only 30m: a 5m tier would fit but is not its to use
+    cancel = topology.names.queue_key("orders.cancel")
+    assert router.resolve_remaining(cancel, 60_000).tier == "30m"
+
+
+def test_remaining_due_already_goes_to_the_due_exchange(topology: Topology) -> None:
+    router = Router(topology)
+    key = topology.names.queue_key("push")
+    for remaining in (0, -5_000):
+        route = router.resolve_remaining(key, remaining)
+        assert (route.exchange, route.routing_key, route.tier, route.delay_ms) == (
+            "shop.v1.due",
+            key,
+            delays.IMMEDIATE,
+            0,
+        )
+
+
+def test_remaining_longer_than_every_tier_is_refused(topology: Topology) -> None:
+    router = Router(topology)
+    with pytest.raises(DelayError, match=r"longer than every tier.*longest: 2h.*early"):
+        router.resolve_remaining(topology.names.queue_key("push"), 3 * 3_600_000)
+
+
+def test_remaining_is_exact_through_a_cascade() -> None:
+    topology = topology_from_dict(
+        {
+            "namespace": "shop",
+            "tiers": {"5m": "5m"},
+            "cascade": {"levels": 10, "resolution": "1s"},
+            "queues": {"push": {"bindings": ["shared"]}},
+        }
+    )
+    router = Router(topology)
+    route = router.resolve_remaining(topology.names.queue_key("push"), 61_500)
+    assert (route.tier, route.delay_ms) == (delays.CASCADE, 62_000)  # rounded up, not a tier
+    # a binding key cannot ride the cascade: the tiers serve it, never early
+    assert router.resolve_remaining("shared", 61_500).tier == "5m"
+
+
+def test_outgoing_keeps_a_fixed_due_time(topology: Topology) -> None:
+    route = Router(topology).resolve_remaining(topology.names.queue_key("push"), 60_000)
+    out = PublisherCore.outgoing(
+        route, b"{}", "application/json", 1_000, "id-1", due_at=61_000, requested_ms=90_000
+    )
+    assert out.headers[h.H_DUE_AT] == 61_000
+    assert out.headers[h.H_DELAY_MS] == 90_000
+    assert out.headers[h.H_TIER] == "5m"
