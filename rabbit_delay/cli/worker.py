@@ -165,13 +165,13 @@ def worker(
     except DurationError as exc:
         fail(f"--shutdown-timeout: {exc}")
     with errors_to_exit():
+        broker = url_for(url)  # before importing the app: a bad URL is refused at once
         the_app = load_app(target, app_dir)
         consumers = the_app.select(queue)
         if transport is TransportChoice.AUTO:
             chosen = Transport.ASYNC if any(c.is_async for c in consumers) else Transport.SYNC
         else:
             chosen = Transport(transport.value)
-        broker = url_for(url)
         metrics = None
         if metrics_port is not None:
             from rabbit_delay.metrics import default_metrics, start_metrics_server
