@@ -123,6 +123,14 @@ TransportOpt = Annotated[
 ShutdownOpt = Annotated[
     str, typer.Option("--shutdown-timeout", help="On SIGINT/SIGTERM, time for in-flight handlers.")
 ]
+ReconnectMaxOpt = Annotated[
+    str,
+    typer.Option(
+        "--reconnect-max",
+        help="After a lost connection, the longest wait between reconnect rounds "
+        "(they start at 250ms and double).",
+    ),
+]
 AppDirOpt = Annotated[
     Path, typer.Option("--app-dir", help="Directory to import MODULE from (default: current).")
 ]
@@ -173,6 +181,7 @@ def worker(
     declare: DeclareOpt = False,
     transport: TransportOpt = TransportChoice.AUTO,
     shutdown_timeout: ShutdownOpt = "30s",
+    reconnect_max: ReconnectMaxOpt = "30s",
     app_dir: AppDirOpt = Path("."),
     log_level: LogLevelOpt = LogLevel.INFO,
     log_format: LogFormatOpt = LogFormat.TEXT,
@@ -189,10 +198,17 @@ def worker(
     configure_logging(log_level, log_format)
     if metrics_port is not None and health_port is not None:
         fail("give --metrics-port (which also serves /healthz and /readyz) or --health-port")
-    try:
-        timeout_s = parse_ms(shutdown_timeout) / 1000
-    except DurationError as exc:
-        fail(f"--shutdown-timeout: {exc}", kind=type(exc).__name__)
+    durations: dict[str, float] = {}
+    for option, text in (
+        ("--shutdown-timeout", shutdown_timeout),
+        ("--reconnect-max", reconnect_max),
+    ):
+        try:
+            durations[option] = parse_ms(text) / 1000
+        except DurationError as exc:
+            fail(f"{option}: {exc}", kind=type(exc).__name__)
+    if durations["--reconnect-max"] <= 0:
+        fail("--reconnect-max: must be longer than zero, e.g. 30s")
     with errors_to_exit():
         broker = url_for(url)  # before importing the app: a bad URL is refused at once
         the_app = load_app(target, app_dir)
@@ -212,7 +228,8 @@ def worker(
             "prefetch": prefetch,
             "concurrency": concurrency,
             "declare": declare,
-            "shutdown_timeout": timeout_s,
+            "shutdown_timeout": durations["--shutdown-timeout"],
+            "reconnect_max_s": durations["--reconnect-max"],
             "metrics": metrics,
         }
         try:

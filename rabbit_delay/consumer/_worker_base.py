@@ -149,11 +149,13 @@ class WorkerBase:
         if phase is Phase.RUNNING and self.stop_requested():
             phase = Phase.STOPPING
         beat = self._beat
-        consuming = {c.queue for c in list(self._by_tag.values())}
+        connected = self.started.is_set()
+        # the tags of a lost channel stay until the next one opens: they consume nothing
+        consuming = {c.queue for c in list(self._by_tag.values())} if connected else set()
         return Health(
             phase,
             None if beat is None else max(time.monotonic() - beat, 0.0),
-            self.started.is_set(),
+            connected,
             tuple(c.queue for c in self.consumers if c.queue in consuming),
             tuple(c.queue for c in self.consumers),
             redact(self.url),
