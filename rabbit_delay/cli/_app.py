@@ -75,7 +75,12 @@ class _Group(TyperGroup):
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         ctx.meta[self._ARGV_KEY] = list(args)
-        return super().parse_args(ctx, args)
+        try:
+            return super().parse_args(ctx, args)
+        except _UsageError as exc:  # before any command: `rabbit-delay --bogus`
+            if type(exc).__name__ == "NoArgsIsHelpError":
+                raise  # `rabbit-delay` alone: the help screen, as click shows it
+            self._usage_error(exc, wants_json(ctx.meta[self._ARGV_KEY]))  # `args` is consumed
 
     def invoke(self, ctx: Any) -> Any:
         as_json = wants_json(ctx.meta.get(self._ARGV_KEY, ()))
@@ -83,14 +88,22 @@ class _Group(TyperGroup):
         try:
             return super().invoke(ctx)
         except _UsageError as exc:
-            if not as_json:
-                exc.exit_code = EXIT_ERROR  # type: ignore[attr-defined]
-                raise  # typer shows it as usual (the box with the usage line)
-            report_error(exc.format_message(), USAGE)  # type: ignore[attr-defined]
-            raise typer.Exit(EXIT_ERROR) from None
+            self._usage_error(exc, as_json)
         finally:
             _json_mode.reset(token)
             _printed.reset(printed)
+
+    @staticmethod
+    def _usage_error(exc: Exception, as_json: bool) -> NoReturn:
+        if not as_json:
+            exc.exit_code = EXIT_ERROR  # type: ignore[attr-defined]
+            raise exc  # typer shows it as usual (the box with the usage line)
+        token = _json_mode.set(True)
+        try:
+            report_error(exc.format_message(), USAGE)  # type: ignore[attr-defined]
+        finally:
+            _json_mode.reset(token)
+        raise typer.Exit(EXIT_ERROR) from None
 
 
 app = typer.Typer(

@@ -172,6 +172,20 @@ def test_usage_errors_exit_1_and_are_json_under_json(args: list[str], words: str
         assert words in error["error"]
 
 
+def test_usage_errors_before_the_command_exit_1_too() -> None:
+    bogus = cli("--bogus")
+    assert bogus.exit_code == 1
+    assert "No such option: --bogus" in bogus.stderr
+    misplaced = cli("--json", "plan")  # --json belongs to the command
+    assert misplaced.exit_code == 1
+    error = json_error(misplaced)
+    assert error["kind"] == "usage"
+    assert error["error"].startswith("No such option: --json")
+    helped = cli()  # no command at all: the help screen
+    assert "Usage" in helped.stdout + helped.stderr
+    assert "plan" in helped.stdout + helped.stderr
+
+
 def test_errors_of_a_command_itself_are_json(good_file: Path) -> None:
     both = cli("replay", "push", "-f", str(good_file), "--tier", "1s", "--now", "--json")
     assert both.exit_code == 1
