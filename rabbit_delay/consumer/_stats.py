@@ -154,14 +154,7 @@ def log_action(
         next_tier = text_header(out.headers.get(H_TIER))
         about = delivery_fields(queue, message_id, attempt, tier, next_tier)
         if action.reason is RepublishReason.RETRY:
-            log.warning(
-                "%s: %s failed on attempt %d: %s",
-                queue,
-                message_id,
-                attempt,
-                action.error,
-                extra=about,
-            )
+            _failed(queue, message_id, attempt, action.error, about)
             delay = out.headers.get(H_DELAY_MS)
             log.info(
                 "%s: %s will be retried as attempt %d after %s (%s)",
@@ -193,14 +186,7 @@ def log_action(
     elif isinstance(action, Park):
         about = delivery_fields(queue, message_id, attempt, tier)
         if action.reason is ParkReason.MAX_ATTEMPTS:
-            log.warning(
-                "%s: %s failed on attempt %d: %s",
-                queue,
-                message_id,
-                attempt,
-                action.error,
-                extra=about,
-            )
+            _failed(queue, message_id, attempt, action.error, about)
         log.info(
             "%s: %s parked via %s (%s): %s",
             queue,
@@ -212,14 +198,7 @@ def log_action(
         )
     elif isinstance(action, BrokerRetry):
         about = delivery_fields(queue, message_id, attempt, tier)
-        log.warning(
-            "%s: %s failed on attempt %d: %s",
-            queue,
-            message_id,
-            attempt,
-            action.error,
-            extra=about,
-        )
+        _failed(queue, message_id, attempt, action.error, about)
         log.info(
             "%s: %s requeued; the broker retries it as attempt %d after %s",
             queue,
@@ -236,6 +215,12 @@ def log_action(
             action.error,
             extra=delivery_fields(queue, message_id, attempt, tier),
         )
+
+
+def _failed(
+    queue: str, message_id: str | None, attempt: int, error: object, about: dict[str, Any]
+) -> None:
+    log.warning("%s: %s failed on attempt %d: %s", queue, message_id, attempt, error, extra=about)
 
 
 def log_consumer_cancelled(
