@@ -326,7 +326,10 @@ def status(
                 api_error = f"not reachable ({exc})"
         if live is None and api is None:
             assert amqp_error is not None
-            fail(f"{describe_unavailable(amqp_error)}; management API {api_error}")
+            fail(
+                f"{describe_unavailable(amqp_error)}; management API {api_error}",
+                kind=type(amqp_error).__name__,
+            )
     rows = status_rows(topology, live, api)
     attention = any(r.attention for r in rows)
     sources = {
