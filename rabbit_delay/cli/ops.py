@@ -16,6 +16,7 @@ from rabbit_delay.cli._app import (
     EXIT_OK,
     JsonOpt,
     TopologyArg,
+    TopologyOpt,
     UrlOpt,
     app,
     err,
@@ -102,6 +103,7 @@ class QueueRow:
         return {
             "role": self.role.value,
             "name": self.name,
+            "ttl": format_ms(self.ttl_ms) if self.ttl_ms is not None else None,
             "ttl_ms": self.ttl_ms,
             "exists": self.exists,
             "ready": self.ready,
@@ -264,6 +266,7 @@ def _status_table(title: str, rows: list[QueueRow]) -> Table:
 @app.command()
 def status(
     file: TopologyArg = None,
+    topology_file: TopologyOpt = None,
     url: UrlOpt = None,
     management_url: MgmtOpt = None,
     no_management: NoMgmtOpt = False,
@@ -290,7 +293,7 @@ def status(
     from rabbit_delay.sync.replay import passive_counts
 
     with errors_to_exit():
-        topology = resolve_topology(file)
+        topology = resolve_topology(file, topology_file)
         urls = url_for(url)
         broker = urls[0]  # the node shown until one answers
         names = [spec.name for spec in desired(topology).queues]
@@ -323,7 +326,10 @@ def status(
                 api_error = f"not reachable ({exc})"
         if live is None and api is None:
             assert amqp_error is not None
-            fail(f"{describe_unavailable(amqp_error)}; management API {api_error}")
+            fail(
+                f"{describe_unavailable(amqp_error)}; management API {api_error}",
+                kind=type(amqp_error).__name__,
+            )
     rows = status_rows(topology, live, api)
     attention = any(r.attention for r in rows)
     sources = {
@@ -423,6 +429,7 @@ def replay(
         ),
     ] = None,
     file: TopologyArg = None,
+    topology_file: TopologyOpt = None,
     limit: Annotated[
         int | None,
         typer.Option("--limit", "-n", min=1, help="Move at most N messages.", show_default=False),
@@ -469,13 +476,13 @@ def replay(
     if unroutable:
         if tier is not None:
             fail("--tier does not apply to --unroutable: catch-all messages are already due")
-        if queue is not None and file is None and _looks_like_file(queue):
+        if queue is not None and file is None and topology_file is None and _looks_like_file(queue):
             file, queue = Path(queue), None
-    elif queue is None or (file is None and _looks_like_file(queue)):
+    elif queue is None or (file is None and topology_file is None and _looks_like_file(queue)):
         fail("name the QUEUE whose parking lot to replay, or pass --unroutable for the catch-all")
 
     with errors_to_exit():
-        topology = resolve_topology(file)
+        topology = resolve_topology(file, topology_file)
         connection, broker = connect_first(url_for(url), name="rabbit-delay replay")
         try:
             if dry_run:
