@@ -227,6 +227,17 @@ class Relay:
         signal handler or another thread)."""
         self._stop.set()
 
+    def install(self) -> None:
+        """Create the outbox table and its indexes on the relay's database unless they
+        exist (committed). Raises OutboxError."""
+        with self._database("creating the outbox table"):
+            conn = self._connect()
+            try:
+                _sql.install(conn, self.table)
+                conn.commit()
+            finally:
+                conn.close()
+
     def _open_database(self) -> Any:
         database = self.database
         assert database is not None
