@@ -123,7 +123,8 @@ def test_add_writes_the_row_in_the_callers_transaction(
         other.close()
     stored = row(outbox, db, message_id)
     assert len(message_id) == 32  # generated
-    assert stored["queue"] == "orders.cancel" and stored["routing_key"] is None
+    assert stored["queue"] == "orders.cancel"
+    assert stored["routing_key"] is None
     assert (stored["tier"], stored["delay_ms"]) == ("30m", 1_800_000)
     assert (stored["created_at"], stored["due_at"]) == (NOW, NOW + 1_800_000)
     assert stored["body"] == b'{"order_id":42}'
@@ -230,7 +231,7 @@ def test_missing_table_names_the_fix(topology: Topology, db: sqlite3.Connection)
 
 
 def test_unsupported_connection_and_table_name(topology: Topology) -> None:
-    with pytest.raises(ConfigError, match="sqlite3.Connection or a psycopg"):
+    with pytest.raises(ConfigError, match=r"sqlite3\.Connection or a psycopg"):
         Outbox(topology).add(object(), {"n": 1}, "1s", queue="push")
     with pytest.raises(ConfigError, match="invalid outbox table name"):
         Outbox(topology, table="outbox; DROP TABLE orders")
@@ -242,11 +243,11 @@ def test_schema_for_migrations(topology: Topology) -> None:
         text = outbox.schema(dialect)
         assert "CREATE TABLE IF NOT EXISTS shop_outbox" in text
         assert "message_id    TEXT NOT NULL UNIQUE" in text
-        assert "shop_outbox_pending" in text and "shop_outbox_sent" in text
+        assert "shop_outbox_pending" in text
+        assert "shop_outbox_sent" in text
     assert "FOR UPDATE" not in outbox.schema("postgresql")
-    assert "claimed_until" in schema("sqlite", "t") and "claimed_until" not in schema(
-        "postgresql", "t"
-    )
+    assert "claimed_until" in schema("sqlite", "t")
+    assert "claimed_until" not in schema("postgresql", "t")
     with pytest.raises(ConfigError, match="unknown SQL dialect"):
         outbox.schema("mysql")
 
@@ -360,7 +361,8 @@ def test_rows_the_relays_topology_cannot_serve_are_refused_not_lost(
         {"namespace": "shop", "tiers": {"1s": "1s", "3s": "3s"}, "queues": {"push": {}}}
     )
     planned, outs, refused = plan_batch(Router(smaller), [good, gone], NOW)
-    assert planned == [good] and [o.message_id for o in outs] == [good.message_id]
+    assert planned == [good]
+    assert [o.message_id for o in outs] == [good.message_id]
     assert [r.row for r in refused] == [gone]
     assert refused[0].reason == INVALID
     assert "UnknownTargetError: unknown queue 'orders.cancel'" in refused[0].error
@@ -444,7 +446,8 @@ def test_finish_marks_sent_refuses_and_releases(topology: Topology, tmp_path: Pa
             "SELECT sent_at, last_error FROM rabbit_delay_outbox ORDER BY id"
         ).fetchall()
         assert values[0] == (NOW + 7, None)
-        assert values[1][0] is None and "UnroutableError" in values[1][1]
+        assert values[1][0] is None
+        assert "UnroutableError" in values[1][1]
     finally:
         store.close()
 
@@ -483,7 +486,8 @@ def test_cleanup_deletes_only_sent_rows_past_the_retention(
 def test_database_urls(url: str, dialect: str, target: str) -> None:
     database = parse_database(url)
     assert (database.dialect, database.target) == (dialect, target)
-    assert "secret" not in repr(database) and "secret" not in database.shown
+    assert "secret" not in repr(database)
+    assert "secret" not in database.shown
 
 
 @pytest.mark.parametrize(
@@ -515,11 +519,14 @@ def test_cli_relay_refuses_bad_arguments(tmp_path: Path) -> None:
     toml = tmp_path / "t.toml"
     toml.write_text('namespace = "shop"\n[tiers]\n1s = "1s"\n[queues.push]\n')
     both = cli("relay", str(toml), "-f", str(toml), "--db", "sqlite:///x.db")
-    assert both.exit_code == 1 and "give the topology file once" in both.stderr
+    assert both.exit_code == 1
+    assert "give the topology file once" in both.stderr
     no_db = cli("relay", "-f", str(toml), env={"RABBIT_DELAY_OUTBOX_DB": ""})
-    assert no_db.exit_code == 1 and "--db URL" in no_db.stderr
+    assert no_db.exit_code == 1
+    assert "--db URL" in no_db.stderr
     bad = cli("relay", "-f", str(toml), "--db", "mysql://root:hunter2@db/x")
-    assert bad.exit_code == 1 and "unsupported scheme 'mysql'" in bad.stderr
+    assert bad.exit_code == 1
+    assert "unsupported scheme 'mysql'" in bad.stderr
     assert "hunter2" not in bad.stderr + bad.stdout
     missing = cli("relay", "-f", str(toml), "--db", f"sqlite:///{tmp_path}/none.db", "--once")
     assert missing.exit_code == 1
