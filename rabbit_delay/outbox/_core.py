@@ -26,7 +26,7 @@ from rabbit_delay.publishing import DelayLike, PublisherCore
 from rabbit_delay.urls import redact
 
 DEFAULT_TABLE = "rabbit_delay_outbox"
-DEFAULT_BATCH = 500
+DEFAULT_BATCH = 1_000
 DEFAULT_RETENTION = "7d"
 DEFAULT_POLL = "200ms"  # the first wait of an idle relay, doubling up to DEFAULT_MAX_POLL
 DEFAULT_MAX_POLL = "2s"
@@ -157,22 +157,29 @@ def outgoing(router: Router, row: Row, now: int) -> Outgoing:
     key = router.target_key(row.queue, row.routing_key)
     remaining = min(row.due_at - now, row.delay_ms)
     route = router.resolve_remaining(key, remaining)
-    try:
-        headers = json.loads(row.headers) if row.headers else {}
-    except ValueError:
-        headers = None
-    if not isinstance(headers, dict):
-        raise EncodeError(f"row {row.id}: its headers are not a JSON object: {row.headers!r}")
     return PublisherCore.outgoing(
         route,
         row.body,
         row.content_type,
         now,
         row.message_id,
-        headers,
+        decode_headers(row),
         due_at=row.due_at,
         requested_ms=row.delay_ms,
     )
+
+
+def decode_headers(row: Row) -> dict[str, object]:
+    """The user's headers of `row`. Raises EncodeError when they are not a JSON object."""
+    if row.headers in ("{}", ""):
+        return {}  # most rows: no parse
+    try:
+        headers = json.loads(row.headers)
+    except ValueError:
+        headers = None
+    if not isinstance(headers, dict):
+        raise EncodeError(f"row {row.id}: its headers are not a JSON object: {row.headers!r}")
+    return headers
 
 
 def refused_until(attempts: int, now: int) -> int:
