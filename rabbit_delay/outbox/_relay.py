@@ -23,8 +23,10 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
+from urllib.parse import quote
 
 from rabbit_delay._confirms import DEFAULT_BLOCKED_TIMEOUT_S, DEFAULT_RECOVERY_TIMEOUT_S
 from rabbit_delay._sql import check_table_name
@@ -174,7 +176,7 @@ class Relay:
         self.database: Database | None = None
         if isinstance(db, str):
             self.database = parse_database(db)
-            self._connect: Callable[[], Any] = self._open_database
+            self._connect: Callable[..., Any] = self._open_database
         elif callable(db):
             self._connect = db
         else:
@@ -224,26 +226,36 @@ class Relay:
 
     def stop(self) -> None:
         """Ask `run()` to return once the batch in progress is settled (safe from a
-        signal handler or another thread)."""
+        signal handler or another thread, also before `run()` started: a stopped relay's
+        `run()` returns at once; `run_once()` still works)."""
         self._stop.set()
 
     def install(self) -> None:
         """Create the outbox table and its indexes on the relay's database unless they
         exist (committed). Raises OutboxError."""
         with self._database("creating the outbox table"):
-            conn = self._connect()
+            conn = self._connect(create=True) if self.database is not None else self._connect()
             try:
                 _sql.install(conn, self.table)
                 conn.commit()
             finally:
                 conn.close()
 
-    def _open_database(self) -> Any:
+    def _open_database(self, create: bool = False) -> Any:
         database = self.database
         assert database is not None
         if database.dialect == SQLITE:
+            # mode=rw: a mistyped path is an error, not a new empty database
+            path = Path(database.target)
+            if not create and not path.is_file():
+                raise OutboxError(
+                    f"no SQLite database file at {str(path.resolve())!r} (--db "
+                    f"{database.shown}): sqlite:///relative/path.db is relative to the "
+                    "current directory, sqlite:////abs/path.db absolute; --install creates it"
+                )
             return sqlite3.connect(
-                database.target,
+                f"file:{quote(str(path))}?mode={'rwc' if create else 'rw'}",
+                uri=True,
                 timeout=SQLITE_BUSY_TIMEOUT_S,
                 isolation_level=None,
                 check_same_thread=False,
@@ -299,6 +311,9 @@ class Relay:
                 raise
             if quiet:
                 return
+            # The connection may be unusable now (PostgreSQL: an aborted transaction):
+            # the next call opens a new one.
+            self._drop_store()
             missing = _sql.missing_table(self.table, exc)
             if missing is not None:
                 raise missing from None
@@ -346,12 +361,8 @@ class Relay:
             outcome.refused.extend(published.refused)
             outcome.retry = published.retry
         marked_at = self.clock()
-        try:
-            with self._database("marking rows sent"):
-                store.finish(outcome.sent, outcome.refused, outcome.retry, marked_at)
-        except OutboxError:
-            self._drop_store()
-            raise
+        with self._database("marking rows sent"):
+            store.finish(outcome.sent, outcome.refused, outcome.retry, marked_at)
         result = BatchResult(len(rows), len(outcome.sent), len(outcome.refused), len(outcome.retry))
         self._report(outcome, marked_at)
         self.stats.add(result)
@@ -427,7 +438,6 @@ class Relay:
         idle (backing off from `poll` to `max_poll`), cleaning up every
         `cleanup_interval`. A failing broker or database is logged and tried again
         with backoff (1 s to 30 s); only bad configuration raises (ConfigError)."""
-        self._stop.clear()
         idle = self._idle_waits()
         failures: Iterator[float] | None = None
         while not self._stop.is_set():

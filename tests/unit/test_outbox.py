@@ -530,4 +530,10 @@ def test_cli_relay_refuses_bad_arguments(tmp_path: Path) -> None:
     assert "hunter2" not in bad.stderr + bad.stdout
     missing = cli("relay", "-f", str(toml), "--db", f"sqlite:///{tmp_path}/none.db", "--once")
     assert missing.exit_code == 1
-    assert "'rabbit_delay_outbox' does not exist" in missing.stderr
+    assert "no SQLite database file at" in missing.stderr
+    assert not (tmp_path / "none.db").exists(), "a mistyped path must not create a database"
+    sqlite3.connect(tmp_path / "empty.db").close()
+    no_table = cli("relay", "-f", str(toml), "--db", f"sqlite:///{tmp_path}/empty.db", "--once")
+    assert no_table.exit_code == 1
+    assert "'rabbit_delay_outbox' does not exist" in no_table.stderr
+    assert "--install" in no_table.stderr
