@@ -536,3 +536,45 @@ def test_cli_relay_stops_cleanly_on_sigterm(
     assert "stopping after the batch in progress" in log
     assert "relayed 15 row(s)" in log
     assert len(drain(broker_url, topology.names.tier_queue(PARK))) == 15
+
+
+# -- a row the broker returns is kept, the rest of its batch is marked ------------------------
+
+
+def test_returned_row_is_kept_and_sent_once_the_topology_is_fixed(
+    db: Db, declared: Callable[..., Topology], broker_url: str
+) -> None:
+    from rabbit_delay.metrics import Metrics
+
+    topology = declared()
+    outbox = Outbox(topology, table=db.table)
+    kept = add_rows(db, outbox, 3)
+    returned = add_rows(db, outbox, 1, tier="1s")[0]
+    conn = connect(broker_url, name="rd-test outbox break")
+    try:  # the 1s tier's buffer gone: its fanout exchange routes nowhere
+        conn.channel().queue_delete(topology.names.tier_queue("1s"))
+    finally:
+        conn.close()
+    metrics = Metrics()
+    with Relay(topology, db.url, table=db.table, url=broker_url, metrics=metrics) as relay:
+        first = relay.run_once()
+        assert (first.relayed, first.refused, relay.pending()) == (3, 1, 1)
+        assert returned in first.errors[0]
+        assert "returned by the broker" in first.errors[0]
+        assert [m for m, _ in drain(broker_url, topology.names.tier_queue(PARK))] == kept
+        key = topology.names.queue_key(QUEUE)
+        assert metrics.outbox_relayed_total.labels(queue=key, tier=PARK)._value.get() == 3
+        refused = metrics.outbox_refused_total.labels(queue=key, reason="unroutable")
+        assert refused._value.get() == 1
+        conn = connect(broker_url, name="rd-test outbox fix")
+        try:
+            declare(conn, topology)
+        finally:
+            conn.close()
+        assert relay.run_once().relayed == 0, "held back for 1 s after its refusal"
+        time.sleep(1.1)
+        assert relay.run_once().relayed == 1
+        assert relay.pending() == 0
+    # due by now (created over 1 s ago): straight to its queue, rd-due-at unchanged
+    [(message_id, headers)] = drain(broker_url, topology.names.business_queue(QUEUE))
+    assert (message_id, headers[h.H_TIER], headers[h.H_DELAY_MS]) == (returned, "now", 1_000)

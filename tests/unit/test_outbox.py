@@ -537,3 +537,34 @@ def test_cli_relay_refuses_bad_arguments(tmp_path: Path) -> None:
     assert no_table.exit_code == 1
     assert "'rabbit_delay_outbox' does not exist" in no_table.stderr
     assert "--install" in no_table.stderr
+
+
+def test_importing_the_outbox_imports_neither_pika_nor_psycopg() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nimport rabbit_delay.outbox\n"
+        "print(','.join(m for m in ('pika', 'psycopg', 'aio_pika') if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == ""
+
+
+def test_relay_metrics() -> None:
+    from rabbit_delay.metrics import Metrics, PublishErrorReason
+
+    metrics = Metrics()
+    metrics.relayed("shop.v1.q.push", "1s", [0.02, 0.3, -1.0])
+    metrics.relay_refused("shop.v1.q.push", PublishErrorReason.INVALID)
+    assert metrics.outbox_relayed_total.labels(queue="shop.v1.q.push", tier="1s")._value.get() == 3
+    lag = metrics.registry.get_sample_value(
+        "rabbit_delay_outbox_relay_lag_seconds_sum", {"queue": "shop.v1.q.push"}
+    )
+    assert lag == pytest.approx(0.32)  # a negative lag (clock skew) counts as 0
+    refused = metrics.registry.get_sample_value(
+        "rabbit_delay_outbox_refused_total", {"queue": "shop.v1.q.push", "reason": "invalid"}
+    )
+    assert refused == 1
