@@ -578,3 +578,31 @@ def test_returned_row_is_kept_and_sent_once_the_topology_is_fixed(
     # due by now (created over 1 s ago): straight to its queue, rd-due-at unchanged
     [(message_id, headers)] = drain(broker_url, topology.names.business_queue(QUEUE))
     assert (message_id, headers[h.H_TIER], headers[h.H_DELAY_MS]) == (returned, "now", 1_000)
+
+
+def test_running_relay_outlives_a_database_failure(
+    declared: Callable[..., Topology],
+    broker_url: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`run()` logs a failing database and tries again (1 s, 2 s ...): here the table is
+    missing when it starts, and created later with rows in it."""
+    topology = declared()
+    path = tmp_path / "late.db"
+    sqlite3.connect(path).close()
+    db = Db("sqlite", f"sqlite:///{path}", "rabbit_delay_outbox", lambda: sqlite3.connect(path))
+    relay = Relay(topology, db.url, url=broker_url, poll="20ms")
+    thread = threading.Thread(target=relay.run)
+    thread.start()
+    try:
+        wait_for(lambda: "does not exist" in caplog.text, 10, "the failure logged")
+        add_rows(db, Outbox(topology), 5)
+        wait_for(lambda: relay.stats.relayed == 5, 15, "rows relayed after the fix")
+    finally:
+        relay.stop()
+        thread.join(10)
+        relay.close()
+    assert not thread.is_alive()
+    assert "trying again in" in caplog.text
+    assert len(drain(broker_url, topology.names.tier_queue(PARK))) == 5
