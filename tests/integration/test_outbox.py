@@ -214,7 +214,7 @@ def test_rolled_back_row_is_never_published(
 def test_relay_killed_mid_batch_loses_nothing(
     db: Db, declared: Callable[..., Topology], broker_url: str, tmp_path: Path
 ) -> None:
-    n, batch = 4_000, 1_000
+    n, batch = 2_000, 1_000
     topology = declared()
     topology_file = tmp_path / "topology.toml"
     topology_file.write_text(toml_for(topology), encoding="utf-8")
@@ -239,7 +239,7 @@ def test_relay_killed_mid_batch_loses_nothing(
     output = tmp_path / "relay.log"
     with output.open("wb") as sink:
         proc = subprocess.Popen(
-            relay_command(db, topology_file, broker_url, "--batch", str(batch), "--lease", "2s"),
+            relay_command(db, topology_file, broker_url, "--batch", str(batch), "--lease", "1s"),
             stdout=sink,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -262,8 +262,8 @@ def test_relay_killed_mid_batch_loses_nothing(
     published_at_kill = message_count(broker_url, buffer)
     assert sent_at_kill < n, f"the relay finished before it was killed:\n{output.read_text()}"
 
-    # A new relay (SQLite: once the dead relay's 2 s lease ran out) publishes the rest.
-    with Relay(topology, db.url, table=db.table, url=broker_url, lease="2s") as relay:
+    # A new relay (SQLite: once the dead relay's 1 s lease ran out) publishes the rest.
+    with Relay(topology, db.url, table=db.table, url=broker_url, lease="1s") as relay:
         wait_for(lambda: relay.run_once() is not None and relay.pending() == 0, 60, "all sent")
     got = drain(broker_url, buffer)
     counts = Counter(m for m, _ in got)
@@ -294,12 +294,12 @@ def test_two_relays_at_once_publish_no_row_twice(
     """PostgreSQL: SKIP LOCKED hands each relay other rows. SQLite: the relays take
     turns for their short claim and mark transactions (one writer at a time) and
     publish in parallel; leases keep them off each other's rows."""
-    n = 3_000
+    n = 1_000
     topology = declared()
     outbox = Outbox(topology, table=db.table)
     ids = add_rows(db, outbox, n)
     relays = [
-        Relay(topology, db.url, table=db.table, url=broker_url, batch=50).open() for _ in range(2)
+        Relay(topology, db.url, table=db.table, url=broker_url, batch=25).open() for _ in range(2)
     ]
     start = threading.Barrier(2)
     errors: list[BaseException] = []
