@@ -5,15 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 from collections.abc import Callable
-from types import FrameType
 from typing import Annotated
 
 import typer
 
+from rabbit_delay._signals import install_stop_signals
 from rabbit_delay.cli._app import (
     TopologyArg,
     TopologyOpt,
@@ -190,27 +188,16 @@ def _stats_json(stats: RelayStats, pending: int) -> dict[str, object]:
 def _install_signals(the_relay: Relay) -> Callable[[], None]:
     """SIGINT/SIGTERM: finish the batch in progress, then stop; a second one stops at
     once (rows published but not marked are published again by the next relay)."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     seen: list[str] = []
 
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        name = signal.Signals(signum).name
+    def on_signal(name: str) -> None:
         if seen:
             raise KeyboardInterrupt(f"second {name}")
         seen.append(name)
         log.info("relay: %s: stopping after the batch in progress", name)
         the_relay.stop()
 
-    for sig in previous:
-        signal.signal(sig, on_signal)
-
-    def restore() -> None:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-    return restore
+    return install_stop_signals(on_signal)
 
 
 __all__ = ["relay"]
