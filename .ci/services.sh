@@ -12,11 +12,16 @@
 #   ensure_management   the management HTTP API answering on 127.0.0.1:15672 (the Docker
 #                       image has it; a local broker gets rabbitmq_management enabled)
 #   ensure_redis        Redis answering PING on 127.0.0.1:6379
+#   ensure_postgres     PostgreSQL accepting connections on 127.0.0.1:$RD_PG_PORT (5432), database
+#                       $RD_PG_DB (test) present: the outbox tests and bench_outbox use it. When
+#                       down: the machine's cluster is started (pg_ctlcluster), else one error
 
 RD_AMQP_HOST=${RD_AMQP_HOST:-127.0.0.1}
 RD_AMQP_PORT=${RD_AMQP_PORT:-5672}
 RD_MANAGEMENT_URL=${RD_MANAGEMENT_URL:-http://127.0.0.1:15672}
 RD_REDIS_PORT=${RD_REDIS_PORT:-6379}
+RD_PG_PORT=${RD_PG_PORT:-5432}
+RD_PG_DB=${RD_PG_DB:-test}
 RD_START_TIMEOUT=${RD_START_TIMEOUT:-120}
 RD_INSTALL_TIMEOUT=${RD_INSTALL_TIMEOUT:-600}  # docker image pull + start, or apt-get install
 RD_COMPOSE_FILE=${RD_COMPOSE_FILE:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/docker-compose.yml}
@@ -148,4 +153,42 @@ ensure_redis() {
         --dir /var/lib/redis --logfile /var/log/redis/ci.log
     wait_for 30 "Redis on port $RD_REDIS_PORT" redis_answers || return 1
     _say "Redis is up"
+}
+
+postgres_answers() {
+    if command -v pg_isready >/dev/null 2>&1; then
+        timeout 5 pg_isready -q -h 127.0.0.1 -p "$RD_PG_PORT" 2>/dev/null
+    else
+        port_open 127.0.0.1 "$RD_PG_PORT"
+    fi
+}
+
+_postgres_database() {  # the tests' database, created when missing (as the postgres user)
+    command -v psql >/dev/null 2>&1 || return 0
+    if ! timeout 10 psql -h 127.0.0.1 -p "$RD_PG_PORT" -U postgres -d "$RD_PG_DB" -Atc 'SELECT 1' >/dev/null 2>&1; then
+        _say "creating PostgreSQL database $RD_PG_DB"
+        timeout 10 psql -h 127.0.0.1 -p "$RD_PG_PORT" -U postgres -d postgres -c "CREATE DATABASE $RD_PG_DB" >/dev/null \
+            || _die "could not create PostgreSQL database $RD_PG_DB" || return 1
+    fi
+}
+
+ensure_postgres() {
+    if postgres_answers; then
+        _say "PostgreSQL answers on 127.0.0.1:$RD_PG_PORT"
+        _postgres_database
+        return
+    fi
+    if command -v pg_ctlcluster >/dev/null 2>&1 && [ -d /etc/postgresql ] && [ -n "$(ls /etc/postgresql 2>/dev/null)" ]; then
+        local version
+        version=$(ls /etc/postgresql | sort -V | tail -n 1)
+        _say "starting PostgreSQL $version (pg_ctlcluster $version main start)"
+        pg_ctlcluster --skip-systemctl-redirect "$version" main start \
+            || _die "pg_ctlcluster $version main start failed; see /var/log/postgresql" || return 1
+    else
+        _die "no PostgreSQL on 127.0.0.1:$RD_PG_PORT and no cluster to start (apt-get install postgresql)" \
+            || return 1
+    fi
+    wait_for 60 "PostgreSQL on port $RD_PG_PORT" postgres_answers || return 1
+    _postgres_database || return 1
+    _say "PostgreSQL is up"
 }

@@ -8,6 +8,7 @@
     │   ├── DelayError (ValueError)         unknown tier, delay that matches no tier, bad `at=`
     │   ├── UnknownTargetError (ValueError) queue or routing key absent from the topology
     │   ├── EncodeError (ValueError)        a message that cannot be turned into bytes
+    │   ├── DuplicateMessageError (ValueError)  outbox.add: that message_id is in the outbox already
     │   ├── UnroutableError                 returned by the broker under `mandatory`
     │   ├── NackError                       the broker refused responsibility (basic.nack)
     │   └── UnconfirmedError                connection lost / broker blocked past the deadline:
@@ -21,6 +22,7 @@
     │   ├── MissingPluginError              unknown exchange type 'x-delayed-message'
     │   ├── ManagementUnavailable           the management API cannot be used (callers fall back)
     │   └── IncompatibleBroker              the broker's version cannot do what is asked
+    ├── OutboxError                         the outbox's database: no table, lost, locked
     └── DecodeError (ValueError)            a delivered message that cannot be decoded
 
 Handler control flow (`Retry`, `Reject`) lives in `rabbit_delay.consumer`: those are
@@ -72,6 +74,11 @@ class UnknownTargetError(PublishError, ValueError):
 
 class EncodeError(PublishError, ValueError):
     """The message body cannot be encoded."""
+
+
+class DuplicateMessageError(PublishError, ValueError):
+    """`outbox.add` with a message_id the outbox table already holds (pending, or sent
+    and not yet past the retention): nothing was written, the transaction is intact."""
 
 
 class UnroutableError(PublishError):
@@ -191,6 +198,12 @@ class ManagementUnavailable(BrokerError):
 class IncompatibleBroker(BrokerError):
     """The broker's version cannot do what the topology or the call asks (e.g. the
     delayed-message plugin on RabbitMQ 4.3+); checked before anything is changed."""
+
+
+class OutboxError(RabbitDelayError):
+    """The outbox's database refused or lost a statement: its table is missing, the
+    connection dropped, a lock was not obtained in time. The message names the table
+    and what to do; the rows are untouched (a relay retries by itself)."""
 
 
 class DecodeError(RabbitDelayError, ValueError):

@@ -10,6 +10,9 @@ creates, on first call, the one instance registered in prometheus-client's globa
     rabbit_delay_handled_total{queue,outcome}            deliveries, by what became of them
     rabbit_delay_handler_seconds{queue}                  handler run time (histogram)
     rabbit_delay_delivery_lateness_seconds{queue}        receive time - rd-due-at (histogram)
+    rabbit_delay_outbox_relayed_total{queue,tier}        outbox rows published and marked sent
+    rabbit_delay_outbox_relay_lag_seconds{queue}         confirm time - row creation (histogram)
+    rabbit_delay_outbox_refused_total{queue,reason}      outbox rows the relay could not publish
 
 Label values come from the topology (queue and tier names) and from the closed sets
 below, never from message content: one label value per message would grow the
@@ -19,7 +22,7 @@ registry without bound.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from enum import StrEnum
 from time import perf_counter
@@ -43,6 +46,9 @@ NAMESPACE = "rabbit_delay"
 HANDLER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 # Lateness: TTL expiry and the dead-letter hop cost tens of ms; minutes mean a backlog.
 LATENESS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+# Outbox relay lag: a poll interval and a publish are tens to hundreds of ms; seconds
+# mean a relay that is behind, minutes one that was down.
+RELAY_LAG_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
 
 
 class Outcome(StrEnum):
@@ -131,6 +137,29 @@ class Metrics:
             buckets=LATENESS_BUCKETS,
         )
 
+        self.outbox_relayed_total = Counter(
+            "outbox_relayed",
+            "Outbox rows published, confirmed and marked sent by a relay.",
+            ["queue", "tier"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.outbox_relay_lag_seconds = Histogram(
+            "outbox_relay_lag_seconds",
+            "Time from an outbox row's creation (application clock) to its confirm, seconds.",
+            ["queue"],
+            namespace=NAMESPACE,
+            registry=r,
+            buckets=RELAY_LAG_BUCKETS,
+        )
+        self.outbox_refused_total = Counter(
+            "outbox_refused",
+            "Outbox rows a relay could not publish (kept, tried again later), by reason.",
+            ["queue", "reason"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
+
     # -- publishers ------------------------------------------------------------------------
 
     def published(self, queue: str, tier: str, count: int = 1) -> None:
@@ -173,6 +202,21 @@ class Metrics:
             return
         late_s = max(received_ms - due_at_ms, 0) / 1000
         self.delivery_lateness_seconds.labels(queue=queue).observe(late_s)
+
+    # -- outbox relays ----------------------------------------------------------------------
+
+    def relayed(self, queue: str, tier: str, lag_s: Sequence[float]) -> None:
+        """Rows for `queue` (its routing key) were confirmed after `tier`, each
+        `lag_s` after its creation (negative lags, clock skew, count as 0)."""
+        self.outbox_relayed_total.labels(queue=queue, tier=tier).inc(len(lag_s))
+        histogram = self.outbox_relay_lag_seconds.labels(queue=queue)
+        for lag in lag_s:
+            histogram.observe(max(lag, 0.0))
+
+    def relay_refused(self, queue: str, reason: PublishErrorReason | BaseException) -> None:
+        """A row for `queue` could not be published; pass the exception or a reason."""
+        label = reason if isinstance(reason, PublishErrorReason) else error_reason(reason)
+        self.outbox_refused_total.labels(queue=queue, reason=label.value).inc()
 
 
 _default: Metrics | None = None

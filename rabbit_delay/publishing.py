@@ -164,11 +164,20 @@ class PublisherCore(Generic[OneT, ManyT]):
         error (UnroutableError / NackError / UnconfirmedError / BrokerBlocked naming
         exactly the ids concerned, or a refusal such as AccessRefused), counted in the
         metrics either way."""
-        failure = ledger.failure() if error is None else ledger.error_for(error)
-        self.record(ledger, failure)
+        failure = self.settle(ledger, error)
         if failure is not None:
             raise failure
         return [o.message_id for o in ledger.outs]
+
+    def settle(
+        self, ledger: Ledger, error: RabbitDelayError | None = None
+    ) -> RabbitDelayError | None:
+        """The error a call ends with (None: every message confirmed), counted in the
+        metrics; `finish` raises it, a caller settling each message by its state in
+        `ledger` (the outbox relay) reads it."""
+        failure = ledger.failure() if error is None else ledger.error_for(error)
+        self.record(ledger, failure)
+        return failure
 
     def record(self, ledger: Ledger, error: RabbitDelayError | None = None) -> None:
         """Count a call in the metrics, by target and tier: confirmed messages as

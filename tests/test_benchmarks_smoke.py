@@ -1,4 +1,4 @@
-"""benchmarks/bench_publish.py and bench_retry.py --quick --json run and report every figure.
+"""benchmarks/bench_{publish,retry,outbox}.py --quick --json run and report every figure.
 
 Only the structure is checked: ratios on a shared 2-core machine are the benchmark's
 business, never a test's (STYLE: no tight timing in tests).
@@ -7,6 +7,7 @@ business, never a test's (STYLE: no tight timing in tests).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -95,4 +96,31 @@ def test_bench_retry_quick_json(broker_url: str, broker_info: BrokerInfo) -> Non
     for row in result["results"].values():
         assert row["retries_per_s"] > 0
         assert len(row["samples_retries_per_s"]) == result["rounds"]
+    assert "guest:guest@" not in proc.stdout + proc.stderr, "the broker password must be redacted"
+
+
+OUTBOX_BENCH = ROOT / "benchmarks" / "bench_outbox.py"
+
+
+@pytest.mark.timeout(150)
+def test_bench_outbox_quick_json(broker_url: str) -> None:
+    proc, result = run_quick(OUTBOX_BENCH, broker_url)
+    assert result["errors"] == []  # every row relayed once, nothing lost or doubled
+    measured = {"sqlite", "postgresql"} - set(result["not_measured"])
+    assert "sqlite" in measured
+    if os.environ.get("CI"):
+        assert measured == {"sqlite", "postgresql"}, "CI runs PostgreSQL (.ci/services.sh)"
+    assert set(result["throughput"]) == {"direct", *(f"relay-{m}" for m in measured)}
+    for figures in result["throughput"].values():
+        assert figures["median_rows_s"] > 0
+        assert len(figures["rates"]) == result["config"]["rounds"]
+    assert {r["ours"] for r in result["ratios"]} == {f"relay-{m}" for m in measured}
+    for r in result["ratios"]:
+        assert r["baseline"] == "direct"
+        assert r["ratio"] > 0
+        assert r["target"] == 0.8
+    assert set(result["lag"]) == measured
+    for lag in result["lag"].values():
+        assert lag["relayed"] == lag["rows"] > 0
+        assert 0 <= lag["p50_ms"] <= lag["p99_ms"] <= lag["max_ms"]
     assert "guest:guest@" not in proc.stdout + proc.stderr, "the broker password must be redacted"

@@ -14,7 +14,6 @@ issued in one event-loop turn together: a group commit.
 from __future__ import annotations
 
 import asyncio
-import re
 import sqlite3
 import threading
 from collections.abc import Callable, Sequence
@@ -23,13 +22,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rabbit_delay._sql import check_table_name, is_busy, require_sqlite_transaction
 from rabbit_delay.errors import ConfigError
 from rabbit_delay.idempotency._core import DEFAULT_PREFIX, ClaimItem, ClaimResult, FinishItem
 
 T = TypeVar("T")
 
 DEFAULT_TABLE = "rabbit_delay_idempotency"
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 # UPSERT (ON CONFLICT DO UPDATE) arrived in SQLite 3.24.
 _MIN_SQLITE = (3, 24, 0)
 _PURGE_SLICE = 2_000
@@ -133,8 +132,7 @@ class SQLiteStore:
         table: str = DEFAULT_TABLE,
         busy_timeout_s: float = 5.0,
     ) -> None:
-        if not _IDENTIFIER.match(table):
-            raise ConfigError(f"invalid SQLite table name {table!r}: letters, digits and _ only")
+        check_table_name(table)
         if sqlite3.sqlite_version_info < _MIN_SQLITE:
             raise ConfigError(
                 f"the SQLite idempotency store needs SQLite >= 3.24 (UPSERT); "
@@ -373,7 +371,7 @@ class SQLiteStore:
         with no transaction open), and `sqlite3.Error` (such as "no such table" for a
         connection to another file).
         """
-        _require_transaction(conn)
+        require_sqlite_transaction(conn)
         conn.execute(self._complete_sql, (self.prefix + key, owner, now_ms + retention_ms, now_ms))
 
     def cancel_in(
@@ -384,7 +382,7 @@ class SQLiteStore:
         For a handler whose change makes a scheduled message moot (the order is paid:
         cancel its timeout) in the same commit. Raises like `mark_done_in`.
         """
-        _require_transaction(conn)
+        require_sqlite_transaction(conn)
         conn.execute(self._cancel_sql, (self.prefix + key, now_ms + retention_ms))
 
     # -- group commit --------------------------------------------------------------------
@@ -570,25 +568,7 @@ class SQLiteStore:
         self._conn.execute(self._cancel_sql, (self.prefix + key, now_ms + retention_ms))
 
 
-def _require_transaction(conn: sqlite3.Connection) -> None:
-    # With isolation_level=None (or 3.12's autocommit=True) and no BEGIN, the write
-    # would commit by itself, apart from the handler's change: the point is lost.
-    if conn.in_transaction:
-        return
-    if conn.isolation_level is None or getattr(conn, "autocommit", None) is True:
-        raise ValueError(
-            "the connection is in autocommit mode with no open transaction: "
-            "run BEGIN (BEGIN IMMEDIATE) first, then the handler's writes and this call"
-        )
-
-
 _Batch = list[tuple[Callable[[], Any], asyncio.Future[Any]]]
-
-
-def is_busy(exc: sqlite3.Error) -> bool:
-    """True for SQLITE_BUSY (and its extended codes): another connection holds the lock."""
-    code = getattr(exc, "sqlite_errorcode", None)
-    return code is not None and code & 0xFF == sqlite3.SQLITE_BUSY
 
 
 class AsyncSQLiteStore:

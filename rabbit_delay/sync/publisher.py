@@ -228,13 +228,27 @@ class Publisher(PublisherCore[str, list[str]]):
 
     def publish_outgoing(self, messages: Iterable[Outgoing]) -> list[str]:
         # the one of PublisherCore, documented there: send, wait, recover
+        ledger, failure = self.publish_tracked(messages)
+        if failure is not None:
+            raise failure
+        return [o.message_id for o in ledger.outs]
+
+    def publish_tracked(
+        self, messages: Iterable[Outgoing]
+    ) -> tuple[Ledger, RabbitDelayError | None]:
+        """Publish like `publish_outgoing` (same window, recovery and deadline), but
+        return each message's outcome instead of raising: the call's ledger
+        (`ledger.states[i]` of `ledger.outs[i]`: CONFIRMED, RETURNED, NACKED, or
+        UNSENT / SENT when the call ended early) and the error publish_outgoing would
+        have raised, or None when every message was confirmed. For a caller that
+        settles each message on its own, such as the outbox relay."""
         ledger = self.ledger(messages)
         error: RabbitDelayError | None = None
         try:
             self._publish(ledger)
         except RabbitDelayError as exc:
             error = exc
-        return self.finish(ledger, error)
+        return ledger, self.settle(ledger, error)
 
     def _publish(self, ledger: Ledger) -> None:
         """Send every message of `ledger` until each has its outcome; on a lost

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import signal
 import threading
 import time
 from collections import deque
@@ -40,7 +39,6 @@ from dataclasses import dataclass
 from enum import Enum
 from functools import partial
 from queue import SimpleQueue
-from types import FrameType
 from typing import Any, Unpack
 
 import pika
@@ -48,6 +46,7 @@ import pika.exceptions
 import pika.spec
 from pika.adapters.blocking_connection import BlockingChannel
 
+from rabbit_delay._signals import install_stop_signals
 from rabbit_delay.broker import UNKNOWN, BrokerInfo
 from rabbit_delay.consumer import App, Consumer, Transport
 from rabbit_delay.consumer._acks import AckTracker
@@ -684,25 +683,16 @@ class Worker(WorkerBase):
     # -- signals -----------------------------------------------------------------------------
 
     def _install_signals(self) -> Any:
-        in_main = threading.current_thread() is threading.main_thread()
-        if not self.install_signal_handlers or not in_main:
+        if not self.install_signal_handlers:
             return lambda: None
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
-        def on_signal(signum: int, _frame: FrameType | None) -> None:
+        def on_signal(name: str) -> None:
             # Only set flags here: the loop polls them (pika is not reentrant).
-            if self.on_signal(signal.Signals(signum).name, self._stop.is_set()):
+            if self.on_signal(name, self._stop.is_set()):
                 self._force.set()
             self._stop.set()
 
-        for sig in previous:
-            signal.signal(sig, on_signal)
-
-        def restore() -> None:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-        return restore
+        return install_stop_signals(on_signal)
 
 
 def _check_queue(conn: pika.BlockingConnection, queue_name: str) -> None:
