@@ -143,6 +143,13 @@ def _print_report(report: TransferReport) -> None:
             )
         else:
             out.print("lateness added: none (every due time kept exactly)")
+        if report.overdue_max_ms:
+            out.print(
+                escape(
+                    "some were due already when read (moved to be delivered now): the most "
+                    f"overdue by {format_ms(report.overdue_max_ms)}"
+                )
+            )
     for line in report.left_lines():
         err.print("[yellow]left in place:[/] ", end="")
         err.print(redact(line), markup=False)

@@ -224,6 +224,8 @@ class Transfer:
         self.source = source
         self.target = target
         self.router = Router(target)
+        # A run sees a handful of distinct targets over thousands of messages.
+        self._keys: dict[tuple[SourceKind, str], str | Leave] = {}
 
     def decide(self, msg: Stored, source: Source, now_ms: int) -> Move | Leave:
         """The copy of `msg`, read from `source` at `now_ms`, for the target; or why it
@@ -269,12 +271,22 @@ class Transfer:
 
     def _target_key(self, msg: Stored, source: Source) -> str | Leave:
         """The target topology's routing key for `msg`."""
-        names = self.target.names
         if source.kind is SourceKind.READY:
-            queue: str | None = source.detail
+            key = source.detail  # the business queue it is in
         else:
             # A tier route publishes with the target key itself; a cascade key spells bits.
             key = msg.target or (msg.routing_key if source.kind is SourceKind.BUFFER else "")
+        found = self._keys.get((source.kind, key))
+        if found is None:
+            found = self._keys[(source.kind, key)] = self._map_key(source.kind, key)
+        return found
+
+    def _map_key(self, kind: SourceKind, key: str) -> str | Leave:
+        """The target's key for a business queue's name (READY) or a source routing key."""
+        names = self.target.names
+        if kind is SourceKind.READY:
+            queue: str | None = key
+        else:
             if not key:
                 return Leave("no rd-target header: its destination is unknown")
             queue = self._source_queue(key)
@@ -430,6 +442,11 @@ class TransferReport:
         return sum(q.later for q in self.queues)
 
     @property
+    def overdue_max_ms(self) -> int:
+        """How long the most overdue moved message was due already when it was read."""
+        return max((q.overdue_max_ms for q in self.queues), default=0)
+
+    @property
     def complete(self) -> bool:
         """Everything pending moved (dry run: would move) and nothing is left behind."""
         return self.error is None and self.left == 0 and self.pending_after == 0
@@ -465,6 +482,7 @@ class TransferReport:
                 "mean_ms": round(self.added_mean_ms, 1),
                 "later_than_due": self.later,
             },
+            "overdue_when_read_max_ms": self.overdue_max_ms,
             "not_moved_held_for_people": self.people,
             "notes": self.notes,
             "error": self.error,

@@ -231,25 +231,33 @@ class _Run:
         tally.left.clear()
         assert ready is not None
         wanted = ready if self.budget is None else min(ready, self.budget)
-        held: list[_Window] = []  # windows whose channel still holds messages
+        if wanted <= 0:
+            return  # (a prefetch of 0 would be no limit at all)
+        windows: list[_Window] = []  # open: filling, or holding messages to give back
+        doing = f"reading queue {src.name!r}"
         try:
-            while wanted > 0:
-                with mapped(f"reading queue {src.name!r}", permission="read"):
-                    window = _Window(self.source, src.name, min(self.batch, wanted))
-                    held.append(window)
+            with mapped(doing, permission="read"):
+                windows.append(_Window(self.source, src.name, min(self.batch, wanted)))
+            while True:
+                window = windows[-1]
+                with mapped(doing, permission="read"):
                     window.fill()
-                if not window.got:
-                    return
-                wanted -= len(window.got)
-                self.taken += len(window.got)
-                self.settle(window, tally)
+                    got = len(window.got)
+                    wanted -= got
+                    self.taken += got
+                    more = got == window.size and wanted > 0
+                    if more:
+                        # the next batch is delivered while this one is published
+                        windows.append(_Window(self.source, src.name, min(self.batch, wanted)))
+                if got:
+                    self.settle(window, tally)
                 if not window.held:
-                    held.remove(window)
+                    windows.remove(window)
                     window.release()  # nothing to give back: just the channel
-                if len(window.got) < window.size:
-                    return  # the queue has nothing more now
+                if not more:
+                    return
         finally:
-            for window in held:
+            for window in windows:
                 window.release()
 
     def settle(self, window: _Window, tally: QueueTally) -> None:
