@@ -41,7 +41,7 @@ from rabbit_delay.message import BINARY, Envelope, Outgoing
 from rabbit_delay.plan import desired
 from rabbit_delay.publishing import PublisherCore
 from rabbit_delay.replay import Leave, Stored, iso_ms, replay_headers
-from rabbit_delay.topology import Topology
+from rabbit_delay.topology import QueueType, Topology
 
 __all__ = [
     "Address",
@@ -160,9 +160,22 @@ def skip_reason(source: Source, ready: int | None, consumers: int) -> str | None
     return None
 
 
-def transfer_notes(source: Topology, target: Topology) -> list[str]:
-    """What an operator must know about this pair of topologies before moving."""
+def transfer_notes(
+    source: Topology, target: Topology, broker: BrokerInfo | None = None
+) -> list[str]:
+    """What an operator must know about this pair of topologies (and the source
+    `broker`) before moving."""
     notes: list[str] = []
+    limit = broker.default_delivery_limit if broker is not None else None
+    quorum = source.queue_type is QueueType.QUORUM
+    if limit and quorum and broker is not None and broker.nack_requeue_counts:
+        notes.append(
+            f"on RabbitMQ {broker.version_text or '(version unknown)'} each message a "
+            "dry run reads, or a run leaves in place, counts as a delivery of its buffer, "
+            f"whose delivery limit is {limit} (buffers set none): past it the broker "
+            "dead-letters the message early into its business queue; keep dry runs and "
+            "re-runs over the same messages few"
+        )
     if source.plugin is not None:
         notes.append(
             f"{source.names.prefix} uses the delayed-message plugin: its pending messages "
@@ -407,13 +420,21 @@ class TransferReport:
     elapsed_s: float = 0.0
 
     @classmethod
-    def start(cls, transfer: Transfer, *, dry_run: bool, ready: bool = True) -> TransferReport:
+    def start(
+        cls,
+        transfer: Transfer,
+        *,
+        dry_run: bool,
+        ready: bool = True,
+        broker: BrokerInfo | None = None,
+    ) -> TransferReport:
+        """An empty report of a run of `transfer` that reads from `broker`."""
         return cls(
             transfer.source.names.prefix,
             transfer.target.names.prefix,
             dry_run,
             [QueueTally(s) for s in sources(transfer.source, ready=ready)],
-            transfer_notes(transfer.source, transfer.target),
+            transfer_notes(transfer.source, transfer.target, broker),
         )
 
     @property

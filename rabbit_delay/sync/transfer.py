@@ -375,7 +375,7 @@ def transfer(
     """
     if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= 65_535:
         raise ValueError(f"batch must be a whole number in 1..65535, got {batch!r}")
-    report = TransferReport.start(rules, dry_run=dry_run, ready=ready)
+    report = TransferReport.start(rules, dry_run=dry_run, ready=ready, broker=broker_info(source))
     run = _Run(source, target, rules, report, limit=limit, batch=batch, progress=progress)
     preflight(source, target, rules)
     run.survey()

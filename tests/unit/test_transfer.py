@@ -380,6 +380,15 @@ def test_notes(v1: Topology, v2: Topology) -> None:
     notes = transfer_notes(v1, v2)
     assert len(notes) == 1
     assert "shop.v2 has no [cascade]" in notes[0]
+    # where a give-back counts towards the buffers' default delivery limit: 4.0-4.2
+    on_40 = transfer_notes(v1, v2, BrokerInfo(version_text="4.0.5"))
+    assert len(on_40) == 2
+    assert "on RabbitMQ 4.0.5 each message a dry run reads" in on_40[0]
+    assert "limit is 20" in on_40[0]
+    for version in ("3.10.8", "4.3.6"):  # no limit / a multiple nack does not count
+        assert transfer_notes(v1, v2, BrokerInfo(version_text=version)) == notes
+    classic = topo(1, queue_type="classic")
+    assert len(transfer_notes(classic, v2, BrokerInfo(version_text="4.0.5"))) == 1
     plugin = topo(1, plugin={})
     cascade = topo(2, cascade={"levels": 10})
     notes = transfer_notes(plugin, cascade)
