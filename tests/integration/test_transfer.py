@@ -23,6 +23,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -119,16 +120,28 @@ def due_of(out: Outgoing) -> int:
     return due
 
 
-def collect(url: str, topology: Topology) -> list[Collector]:
-    """One consumer per business queue of `topology`, started."""
-    return [Collector(url, topology.names.business_queue(q)).__enter__() for q in topology.queues]
+@contextmanager
+def collecting(url: str, topology: Topology) -> Iterator[list[Collector]]:
+    """One consumer per business queue of `topology`, running inside the block."""
+    collectors = [Collector(url, topology.names.business_queue(q)) for q in topology.queues]
+    try:
+        for c in collectors:
+            c.__enter__()
+        yield collectors
+    finally:
+        for c in collectors:
+            c.stop()
 
 
 def arrivals(collectors: list[Collector]) -> list[Received]:
     return [r for c in collectors for r in c.received]
 
 
-def wait_all(collectors: list[Collector], ids: set[str], timeout: float) -> None:
+def wait_all(
+    collectors: list[Collector], ids: set[str], timeout: float, *, settle: float = 0.0
+) -> list[Received]:
+    """Every delivery once each of `ids` arrived, and `settle` seconds more (a duplicate
+    due at the same time as its twin arrives with it)."""
     deadline = time.monotonic() + timeout
     while {r.message_id for r in arrivals(collectors)} < ids:
         if time.monotonic() > deadline:
@@ -136,6 +149,20 @@ def wait_all(collectors: list[Collector], ids: set[str], timeout: float) -> None
             errors = [e for c in collectors for e in c.errors][-3:]
             pytest.fail(f"{len(missing)} of {len(ids)} never arrived in {timeout}s ({errors})")
         time.sleep(0.1)
+    time.sleep(settle)
+    return arrivals(collectors)
+
+
+def counted(test: str, dues: dict[str, int], received: list[Received]) -> Tally:
+    """The fault tally of a test: published = confirmed = `dues`; none lost, and no
+    delivery with an id that was never published."""
+    tally = Tally(test, "sync")
+    tally.sent(dues)
+    for r in received:
+        tally.delivered(r.message_id)
+    assert tally.lost == [], f"{len(tally.lost)} lost"
+    assert set(tally.deliveries) == set(dues), "a delivery with a message_id of its own"
+    return tally
 
 
 def percentile(values: list[int], p: float) -> int:
@@ -243,8 +270,7 @@ def test_10000_pending_messages_move_to_another_broker(
     dues = {o.message_id: due_of(o) for o in outs}
     assert len(dues) == 10_000
 
-    collectors = collect(other_url, target)
-    try:
+    with collecting(other_url, target) as collectors:
         source_connection = connect(broker_url)
         try:
             with Publisher(target, other_url) as target_publisher:
@@ -261,11 +287,7 @@ def test_10000_pending_messages_move_to_another_broker(
         assert by_kind[SourceKind.BUFFER.value] > 0
         assert by_kind[SourceKind.CASCADE.value] > 0
 
-        wait_all(collectors, set(dues), timeout=60)
-        received = arrivals(collectors)
-    finally:
-        for c in collectors:
-            c.stop()
+        received = wait_all(collectors, set(dues), timeout=60)
     assert not set(counts(broker_url, every_queue(source)).values()) - {0}, "left in the source"
 
     figures = timing(received, dues)
@@ -273,11 +295,7 @@ def test_10000_pending_messages_move_to_another_broker(
     # late by what the target's tier adds, or (read once due already) by how overdue it was
     bound = max(report.added_max_ms, report.overdue_max_ms) + BROKER_SLACK_MS
     assert figures["late_max_ms"] <= bound, (figures, report.overdue_max_ms)
-    tally = Tally("transfer 10,000 pending to another broker", "sync")
-    tally.sent(dues)
-    for r in received:
-        tally.delivered(r.message_id)
-    assert tally.lost == []
+    tally = counted("transfer 10,000 pending to another broker", dues, received)
     other = server_info(other_url)
     tally.extra |= {
         "moved": report.moved,
@@ -303,8 +321,8 @@ def test_a_transfer_killed_half_way_and_run_again_loses_nothing(
     make_topology: MakeTopology, broker_url: str, broker_info: BrokerInfo, tmp_path: Path
 ) -> None:
     """v1 -> v2 on the broker under test through the CLI (5,000 messages), SIGKILLed once
-    1,500 copies are in v2, then run again to completion: every message arrives; the copies
-    confirmed but not acked before the kill arrive twice, with the same message_id."""
+    it has taken 1,500 out of v1, then run again to completion: every message arrives;
+    the copies confirmed but not acked before the kill arrive twice, same message_id."""
     v1_data: dict[str, Any] = {"tiers": {"10s": "10s"}, "queues": {"orders.cancel": {}}}
     v1 = declared(broker_url, make_topology(**v1_data))
     v1_data["namespace"] = v1.namespace
@@ -317,7 +335,7 @@ def test_a_transfer_killed_half_way_and_run_again_loses_nothing(
     v2 = declared(broker_url, make_topology(**v2_data))
     v1_file = topology_file(tmp_path, "v1", v1_data)
     v2_file = topology_file(tmp_path, "v2", v2_data)
-    batch = 100
+    batch = 50  # small batches: a slower run, so that the kill lands half-way
     total = 5_000
 
     with Publisher.connect(v1, broker_url) as publisher:
@@ -326,38 +344,46 @@ def test_a_transfer_killed_half_way_and_run_again_loses_nothing(
         )
         publisher.publish_outgoing(outs)
     dues = {o.message_id: due_of(o) for o in outs}
-    v2_buffers = [q for tier in v2.tiers for q in v2.tier_queues(tier)]
     args = [*SCRIPT, "transfer", "-f", str(v1_file), "--to", str(v2_file), "--url", broker_url]
 
-    collectors = collect(broker_url, v2)
-    try:
+    with collecting(broker_url, v2) as collectors:
         log = (tmp_path / "killed.log").open("w")
         killed = subprocess.Popen(
             [*args, "--batch", str(batch), "--json"], stdout=subprocess.DEVNULL, stderr=log
         )
+        watch = pika.BlockingConnection(pika.URLParameters(broker_url))
         try:
+            channel = watch.channel()
+
+            def in_v1() -> int:  # ready in v1 (its buffer, or due in its queue); polled often
+                return sum(
+                    channel.queue_declare(q, passive=True).method.message_count or 0
+                    for q in every_queue(v1)
+                )
+
+            # what the run took out of v1 is moved, or held by it (two batches at most)
             wait_for(
-                lambda: (
-                    killed.poll() is not None
-                    or sum(counts(broker_url, v2_buffers).values()) >= 1_500
-                ),
+                lambda: killed.poll() is not None or in_v1() <= total - 1_500,
                 timeout=60,
-                what="1,500 copies in v2",
-                interval=0.01,
+                what="1,500 taken out of v1",
+                interval=0.005,
             )
-            assert killed.poll() is None, "the transfer finished before it could be killed"
+            if killed.poll() is not None:
+                log.close()
+                pytest.fail(
+                    f"the transfer ended (exit {killed.returncode}) before it could be "
+                    f"killed: {(tmp_path / 'killed.log').read_text()[-2000:]}"
+                )
             killed.send_signal(signal.SIGKILL)
-        finally:
             killed.wait(30)
+            left_in_v1 = in_v1()  # (its unacked originals go back with its connection)
+            assert left_in_v1 > 0, "killed too late to test anything"
+        finally:
+            if killed.poll() is None:
+                killed.kill()
+                killed.wait(30)
             log.close()
-        copies = sum(counts(broker_url, v2_buffers).values())
-        # the killed run's unacked originals went back with its connection
-        wait_for(
-            lambda: sum(counts(broker_url, every_queue(v1)).values()) + copies >= total,
-            timeout=10,
-            what="the originals back in v1",
-        )
-        assert copies < total, "killed too late to test anything"
+            watch.close()
 
         again = subprocess.run(
             [*args, "--json"], capture_output=True, text=True, timeout=120, check=False
@@ -365,27 +391,17 @@ def test_a_transfer_killed_half_way_and_run_again_loses_nothing(
         assert again.returncode == 0, again.stdout + again.stderr
         second = json.loads(again.stdout)
         assert second["ok"] is True
-        assert second["moved"] + copies >= total
+        assert second["moved"] >= left_in_v1
 
-        wait_all(collectors, set(dues), timeout=60)
-        time.sleep(0.5)  # a duplicate due at the same time as its twin arrives with it
-        received = arrivals(collectors)
-    finally:
-        for c in collectors:
-            c.stop()
+        received = wait_all(collectors, set(dues), timeout=60, settle=0.5)
 
-    tally = Tally("transfer killed half-way (SIGKILL), run again", "sync")
-    tally.sent(dues)
-    for r in received:
-        tally.delivered(r.message_id)
-    assert tally.lost == []
-    assert set(tally.deliveries) == set(dues), "a copy with a message_id of its own"
+    tally = counted("transfer killed half-way (SIGKILL), run again", dues, received)
     # only a batch whose copies were confirmed and whose originals were not yet acked
     assert tally.duplicates <= batch, tally.duplicates
     figures = timing(received, dues)
     assert figures["early"] == []
     tally.extra |= {
-        "copies_before_kill": copies,
+        "left_in_v1_after_kill": left_in_v1,
         "moved_by_rerun": second["moved"],
         **{k: v for k, v in figures.items() if k != "early"},
     }
@@ -425,8 +441,7 @@ def test_a_crash_between_confirm_and_ack_makes_duplicates_with_the_same_ids(
                 source.close()  # confirmed in v2, not acked in v1
             return ids
 
-    collectors = collect(broker_url, v2)
-    try:
+    with collecting(broker_url, v2) as collectors:
         with CrashAfterConfirm(v2, broker_url) as target:
             crashed = transfer(source, target, Transfer(v1, v2), batch=batch)
         assert crashed.error is not None
@@ -440,18 +455,8 @@ def test_a_crash_between_confirm_and_ack_makes_duplicates_with_the_same_ids(
             again_source.close()
         assert again.complete, (again.error, again.left_lines())
         assert again.moved == 1_000 - batch
-        wait_all(collectors, set(dues), timeout=30)
-        time.sleep(0.5)  # a duplicate due at the same time as its twin arrives with it
-        received = arrivals(collectors)
-    finally:
-        for c in collectors:
-            c.stop()
-    tally = Tally("transfer: source lost between confirm and ack", "sync")
-    tally.sent(dues)
-    for r in received:
-        tally.delivered(r.message_id)
-    assert tally.lost == []
-    assert set(tally.deliveries) == set(dues)
+        received = wait_all(collectors, set(dues), timeout=30, settle=0.5)
+    tally = counted("transfer: source lost between confirm and ack", dues, received)
     assert tally.duplicates == batch  # the second batch, twice, with the same ids
     assert timing(received, dues)["early"] == []
 
@@ -555,19 +560,14 @@ def test_same_broker_v1_classic_to_v2_quorum_with_a_cascade(
     wait_for(lambda: message_count(broker_url, business) == 15, timeout=10, what="the 1s ones due")
     dues = {o.message_id: due_of(o) for o in [*outs, *ready]}
 
-    collectors = collect(broker_url, v2)
-    try:
+    with collecting(broker_url, v2) as collectors:
         result = cli(
             "transfer", "-f", str(v1_file), "--to", str(v2_file), "--url", broker_url, "--json"
         )
         assert result.exit_code == 1, result.output  # the five for 'gone' stay
         report = json.loads(result.stdout)
         assert (report["moved"], report["left"], report["error"]) == (75, 5, None)
-        wait_all(collectors, set(dues), timeout=30)
-        received = arrivals(collectors)
-    finally:
-        for c in collectors:
-            c.stop()
+        received = wait_all(collectors, set(dues), timeout=30)
     gone = [v1.names.tier_queue("6s"), v1.names.business_queue("gone")]  # due by now, or not
     assert sum(counts(broker_url, gone).values()) == 5
     assert message_count(broker_url, business) == 0
