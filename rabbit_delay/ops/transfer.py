@@ -364,13 +364,14 @@ class QueueTally:
             self.first_due_ms = due if self.first_due_ms is None else min(self.first_due_ms, due)
             self.last_due_ms = due if self.last_due_ms is None else max(self.last_due_ms, due)
 
-    def skip(self, reason: str) -> None:
-        """Not read, for `reason`: a buffer's messages count as left (they stay where a
-        consumer takes them early); a business queue's are its consumers' to deliver."""
+    def skip(self, reason: str, ready: int | None) -> None:
+        """Not read, for `reason`, holding `ready` messages: a buffer's count as left
+        (they stay where a consumer takes them early); a business queue's are its
+        consumers' to deliver."""
         self.skipped = reason
         self.left.clear()
-        if self.source.buffer and self.ready:
-            self.left[reason] = self.ready
+        if self.source.buffer and ready:
+            self.left[reason] = ready
 
     @property
     def left_count(self) -> int:

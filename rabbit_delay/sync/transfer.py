@@ -70,6 +70,9 @@ MAX_PASSES = 3
 _IDLE_S = 0.25
 # ...and gives up waiting after this long without one (the next round reads the rest).
 _STALL_S = 5.0
+# A crashed run's consumers linger on a buffer this long at most before a new run
+# takes them for someone else's.
+_DEAD_CONSUMER_S = 3.0
 # What stops a run (reported in TransferReport.error, never raised past the preflight).
 _FAILURES: tuple[type[BaseException], ...] = (*CLIENT_ERRORS, RabbitDelayError)
 
@@ -212,20 +215,26 @@ class _Run:
             for tally in report.queues:
                 if self.budget == 0:
                     return
-                self.read(tally)
+                self.read(tally, round_no)
             if report.moved == before:
                 return
 
-    def read(self, tally: QueueTally) -> None:
+    def read(self, tally: QueueTally, round_no: int) -> None:
         """Move what `tally`'s queue holds now (at most what it held when counted)."""
         src = tally.source
+        if round_no > 1 and tally.skipped is not None:
+            return  # decided by the first round
         with mapped(f"checking queue {src.name!r}", permission="read"):
             counts = _counts(self.source, src.name)
+            if round_no == 1 and src.buffer and counts is not None and counts.consumers:
+                counts = self._without_the_dead(src.name, counts)
         ready = counts.ready if counts is not None else None
-        consumers = counts.consumers if counts is not None else 0
+        # After the first round, consumers on a queue it read are its own, cancelled a
+        # moment ago: a quorum queue may count them for a while (seen on 4.3).
+        consumers = counts.consumers if counts is not None and round_no == 1 else 0
         reason = skip_reason(src, ready, consumers)
         if reason is not None:
-            tally.skip(reason)
+            tally.skip(reason, ready)
             return
         tally.skipped = None
         tally.left.clear()
@@ -259,6 +268,16 @@ class _Run:
         finally:
             for window in windows:
                 window.release()
+
+    def _without_the_dead(self, queue: str, counts: PassiveCounts) -> PassiveCounts | None:
+        """The counts of `queue` once the consumers of a run that just died are gone (the
+        broker removes them a moment after their connection), or as they stay."""
+        deadline = time.monotonic() + _DEAD_CONSUMER_S
+        found: PassiveCounts | None = counts
+        while found is not None and found.consumers and time.monotonic() < deadline:
+            time.sleep(0.2)
+            found = _counts(self.source, queue)
+        return found
 
     def settle(self, window: _Window, tally: QueueTally) -> None:
         """Decide each message of the window; publish the moves; ack their originals."""

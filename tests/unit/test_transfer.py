@@ -450,14 +450,14 @@ def test_tally_and_report(v1: Topology, v2: Topology) -> None:
 
 def test_a_skipped_buffer_counts_as_left_a_consumed_business_queue_does_not() -> None:
     buffer = QueueTally(BUFFER, ready=7, consumers=1)
-    buffer.skip("1 consumer(s) on it take its messages before they are due")
+    buffer.skip("1 consumer(s) on it take its messages before they are due", 7)
     assert buffer.left_count == 7
     buffer.remaining = 7
     assert buffer.pending_after == 7
     ready = QueueTally(Source(SourceKind.READY, "shop.v1.q.push", "push"), ready=5, consumers=2)
-    ready.skip("2 consumer(s): its workers deliver these messages")
+    ready.skip("2 consumer(s): its workers deliver these messages", 5)
     ready.remaining = 5
     assert (ready.left_count, ready.pending_after) == (0, 0)
     missing = QueueTally(BUFFER)
-    missing.skip("does not exist on the source broker")
+    missing.skip("does not exist on the source broker", None)
     assert (missing.left_count, missing.pending_after) == (0, 0)
