@@ -56,10 +56,13 @@ SCRIPT = (
     if _INSTALLED.exists()
     else [sys.executable, "-c", "from rabbit_delay.cli import main; main()"]
 )
-# Dead-lettering a burst of thousands of due messages takes the broker a few seconds
-# (shared/RABBITMQ_NOTES.md: p99 3-4 s for 60,000 into one buffer): arrival may trail
-# rd-due-at (plus what the target's tier adds) by that much on a busy 2-core machine.
-BROKER_SLACK_MS = 6_000
+# Dead-lettering a burst of thousands of due messages takes the broker seconds
+# (shared/RABBITMQ_NOTES.md: p99 3-4 s for 60,000 into one buffer on an idle machine).
+# Measured here, 10,000 moved: arrival p99 2.5-7.5 s, max 2.6-8.4 s after rd-due-at on
+# their own, 14 s beside other test runs on the 2-core machine: a wide bound, for gross
+# errors only (a message routed through a far too long tier); what the route adds is
+# checked exactly from the report.
+BROKER_SLACK_MS = 25_000
 # Tiers that are not the source's: a message waits the shortest not shorter than what it
 # has left, up to 2 s late.
 TARGET_TIERS = {f"{s}s": f"{s}s" for s in (1, *range(2, 21, 2))}
@@ -290,6 +293,9 @@ def test_10000_pending_messages_move_to_another_broker(
         received = wait_all(collectors, set(dues), timeout=60)
     assert not set(counts(broker_url, every_queue(source)).values()) - {0}, "left in the source"
 
+    # at most 16 s remained: the target's tiers 1s, 2s, 4s, ... 20s add less than 2 s
+    assert report.added_max_ms <= 2_000, report.added_max_ms
+    assert {r.headers[h.H_TIER] for r in received} <= {*target.tiers, "now"}
     figures = timing(received, dues)
     assert figures["early"] == [], f"{len(figures['early'])} arrived before rd-due-at"
     # late by what the target's tier adds, or (read once due already) by how overdue it was
