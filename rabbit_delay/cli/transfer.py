@@ -66,13 +66,13 @@ ToUrlOpt = Annotated[
 
 
 @contextmanager
-def _progress_bar(shown: bool) -> Iterator[Callable[[int, int], None] | None]:
+def _progress_bar(shown: bool, label: str) -> Iterator[Callable[[int, int], None] | None]:
     """A rich progress bar (messages moved / expected) on stderr, when it is a terminal."""
     if not shown:
         yield None
         return
     with Progress(
-        TextColumn("moving"),
+        TextColumn(label),
         BarColumn(),
         MofNCompleteColumn(),
         TaskProgressColumn(),
@@ -80,7 +80,7 @@ def _progress_bar(shown: bool) -> Iterator[Callable[[int, int], None] | None]:
         console=err,
         transient=True,
     ) as bar:
-        task = bar.add_task("moving", total=None)
+        task = bar.add_task(label, total=None)
 
         def update(moved: int, expected: int) -> None:
             bar.update(task, completed=moved, total=expected)
@@ -157,8 +157,11 @@ def _print_report(report: TransferReport) -> None:
         still = ", ".join(
             f"{q.source.name}: {q.pending_after}" for q in report.queues if q.pending_after
         )
-        err.print("[yellow]still in the source:[/] ", end="")
-        err.print(f"{report.pending_after} ({still}); run transfer again", markup=False)
+        if report.limit_reached:
+            out.print(escape(f"--limit {report.limit} reached; still in the source: {still}"))
+        else:
+            err.print("[yellow]still in the source:[/] ", end="")
+            err.print(f"{report.pending_after} ({still}); run transfer again", markup=False)
     if report.people:
         held = ", ".join(f"{name}: {n}" for name, n in report.people.items())
         err.print("[yellow]not moved (they wait for a human):[/] ", end="")
@@ -234,7 +237,8 @@ def transfer_command(
         try:
             publisher = Publisher(target, list(to_urls), window=batch)
             try:
-                with _progress_bar(err.is_terminal and not as_json) as progress:
+                shown = err.is_terminal and not as_json
+                with _progress_bar(shown, "reading" if dry_run else "moving") as progress:
                     report = transfer(
                         connection,
                         publisher,

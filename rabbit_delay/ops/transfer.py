@@ -419,6 +419,7 @@ class TransferReport:
     passes: int = 0
     error: str | None = None
     elapsed_s: float = 0.0
+    limit: int | None = None  # --limit: at most this many to move
 
     @classmethod
     def start(
@@ -428,6 +429,7 @@ class TransferReport:
         dry_run: bool,
         ready: bool = True,
         broker: BrokerInfo | None = None,
+        limit: int | None = None,
     ) -> TransferReport:
         """An empty report of a run of `transfer` that reads from `broker`."""
         return cls(
@@ -436,6 +438,7 @@ class TransferReport:
             dry_run,
             [QueueTally(s) for s in sources(transfer.source, ready=ready)],
             transfer_notes(transfer.source, transfer.target, broker),
+            limit=limit,
         )
 
     @property
@@ -469,9 +472,15 @@ class TransferReport:
         return max((q.overdue_max_ms for q in self.queues), default=0)
 
     @property
+    def limit_reached(self) -> bool:
+        return self.limit is not None and self.moved >= self.limit
+
+    @property
     def complete(self) -> bool:
-        """Everything pending moved (dry run: would move) and nothing is left behind."""
-        return self.error is None and self.left == 0 and self.pending_after == 0
+        """Everything pending moved (dry run: would move), or as many as the limit
+        asked, and nothing was left in place."""
+        done = self.pending_after == 0 or self.limit_reached
+        return self.error is None and self.left == 0 and done
 
     @property
     def rate(self) -> float:
@@ -495,6 +504,8 @@ class TransferReport:
             "moved": self.moved,
             "left": self.left,
             "still_in_source": self.pending_after,
+            "limit": self.limit,
+            "limit_reached": self.limit_reached,
             "passes": self.passes,
             "elapsed_s": round(self.elapsed_s, 3),
             "rate_msg_s": round(self.rate, 1),

@@ -37,7 +37,7 @@ import pika
 import pika.spec
 from pika.adapters.blocking_connection import BlockingChannel
 
-from rabbit_delay.errors import MissingObjectError, PublishError, RabbitDelayError
+from rabbit_delay.errors import ConfigError, MissingObjectError, PublishError, RabbitDelayError
 from rabbit_delay.message import now_ms
 from rabbit_delay.ops.transfer import (
     Address,
@@ -179,11 +179,19 @@ class _Run:
         self.batch = batch
         self.progress = progress
         self.expected = 0
-        self.taken = 0  # messages read for moving (dry run: that would move)
+        # messages moved (dry run: that would move), and read but not yet decided: what
+        # counts against the limit (a message left in place does not)
+        self.taken = 0
 
     @property
     def budget(self) -> int | None:
         return None if self.limit is None else self.limit - self.taken
+
+    def _size(self, queue_left: int) -> int:
+        """The next window's size: a batch, never more than the queue held when counted
+        nor more than the limit leaves."""
+        budget = self.budget
+        return min(self.batch, queue_left, budget if budget is not None else queue_left)
 
     def survey(self) -> None:
         """Counts of every source queue, before anything is read."""
@@ -210,6 +218,8 @@ class _Run:
     def rounds(self) -> None:
         report = self.report
         for round_no in range(1, (1 if report.dry_run else MAX_PASSES) + 1):
+            if self.budget == 0:
+                return
             report.passes = round_no
             before = report.moved
             for tally in report.queues:
@@ -239,32 +249,37 @@ class _Run:
         tally.skipped = None
         tally.left.clear()
         assert ready is not None
-        wanted = ready if self.budget is None else min(ready, self.budget)
-        if wanted <= 0:
+        queue_left = ready  # never read more than it held when counted
+        if self._size(queue_left) <= 0:
             return  # (a prefetch of 0 would be no limit at all)
         windows: list[_Window] = []  # open: filling, or holding messages to give back
         doing = f"reading queue {src.name!r}"
         try:
             with mapped(doing, permission="read"):
-                windows.append(_Window(self.source, src.name, min(self.batch, wanted)))
+                windows.append(_Window(self.source, src.name, self._size(queue_left)))
             while True:
                 window = windows[-1]
                 with mapped(doing, permission="read"):
                     window.fill()
                     got = len(window.got)
-                    wanted -= got
+                    queue_left -= got
                     self.taken += got
-                    more = got == window.size and wanted > 0
-                    if more:
+                    full = got == window.size
+                    ahead = full and self._size(queue_left) > 0
+                    if ahead:
                         # the next batch is delivered while this one is published
-                        windows.append(_Window(self.source, src.name, min(self.batch, wanted)))
+                        windows.append(_Window(self.source, src.name, self._size(queue_left)))
                 if got:
                     self.settle(window, tally)
                 if not window.held:
                     windows.remove(window)
                     window.release()  # nothing to give back: just the channel
-                if not more:
-                    return
+                if ahead:
+                    continue
+                if not full or self._size(queue_left) <= 0:
+                    return  # the queue has nothing more now, or the limit is reached
+                with mapped(doing, permission="read"):  # messages left gave the limit back
+                    windows.append(_Window(self.source, src.name, self._size(queue_left)))
         finally:
             for window in windows:
                 window.release()
@@ -291,6 +306,7 @@ class _Run:
                 leaves += 1
             else:
                 moves.append((tag, decision))
+        self.taken -= leaves  # a message left in place does not count against the limit
         if self.report.dry_run:
             for _tag, move in moves:
                 tally.record(move)
@@ -386,15 +402,19 @@ def transfer(
     the report tells what would move where. `limit` caps the messages read for moving;
     `ready` (default) also moves the ready messages of business queues nobody consumes.
 
-    Raises ConfigError (source and target are the same queues), MissingObjectError (the
-    target topology is not declared, or no source queue exists) and BrokerUnavailable /
-    ConnectionLost / AccessRefused before anything is read. A failure once moving has
+    Raises ConfigError (a bad batch or limit, or source and target are the same queues),
+    MissingObjectError (the target topology is not declared, or no source queue exists)
+    and BrokerUnavailable / ConnectionLost / AccessRefused before anything is read. A failure once moving has
     begun is reported in `TransferReport.error`: every message counted as moved was
     confirmed in the target before its original was acked; the rest is in the source.
     """
     if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= 65_535:
-        raise ValueError(f"batch must be a whole number in 1..65535, got {batch!r}")
-    report = TransferReport.start(rules, dry_run=dry_run, ready=ready, broker=broker_info(source))
+        raise ConfigError(f"batch must be a whole number in 1..65535, got {batch!r}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ConfigError(f"limit must be a whole number of at least 1, got {limit!r}")
+    report = TransferReport.start(
+        rules, dry_run=dry_run, ready=ready, broker=broker_info(source), limit=limit
+    )
     run = _Run(source, target, rules, report, limit=limit, batch=batch, progress=progress)
     preflight(source, target, rules)
     run.survey()

@@ -677,6 +677,44 @@ def test_a_buffer_with_a_consumer_is_not_read(make_topology: MakeTopology, broke
     assert line.startswith(f"4 in {v1.names.tier_queue('1h')}: 1 consumer(s) on it take")
 
 
+def test_limit_moves_the_oldest_first(
+    make_topology: MakeTopology, broker_url: str, tmp_path: Path
+) -> None:
+    v1_data: dict[str, Any] = {"tiers": {"1h": "1h"}, "queues": {"orders.cancel": {}}}
+    v1 = declared(broker_url, make_topology(**v1_data))
+    v1_data["namespace"] = v1.namespace
+    v2_data = {**v1_data, "version": 2}
+    v2 = declared(broker_url, make_topology(**v2_data))
+    with Publisher.connect(v1, broker_url) as publisher:
+        ids = [
+            publisher.publish_delayed({"n": i}, "1h", queue="orders.cancel", message_id=f"m{i:02d}")
+            for i in range(30)
+        ]
+    args = [
+        "transfer",
+        "-f",
+        str(topology_file(tmp_path, "v1", v1_data)),
+        "--to",
+        str(topology_file(tmp_path, "v2", v2_data)),
+        "--url",
+        broker_url,
+    ]
+    result = cli(*args, "--limit", "12", "--batch", "5", "--json")
+    assert result.exit_code == 0, result.output  # as many as asked: done
+    report = json.loads(result.stdout)
+    assert (report["moved"], report["limit_reached"], report["still_in_source"]) == (12, True, 18)
+    assert message_count(broker_url, v1.names.tier_queue("1h")) == 18
+    connection = pika.BlockingConnection(pika.URLParameters(broker_url))
+    try:
+        channel = connection.channel()
+        moved = []
+        while (got := channel.basic_get(v2.names.tier_queue("1h"), auto_ack=True))[0] is not None:
+            moved.append(got[1].message_id)
+    finally:
+        connection.close()
+    assert moved == ids[:12]  # the head of the buffer: soonest due
+
+
 # -- the broker fact the executor stands on ----------------------------------------------------
 
 

@@ -448,6 +448,19 @@ def test_tally_and_report(v1: Topology, v2: Topology) -> None:
     assert not report.complete
 
 
+def test_a_limit_reached_is_done(v1: Topology, v2: Topology) -> None:
+    report = TransferReport.start(Transfer(v1, v2), dry_run=False, limit=1)
+    tally = report.queues[0]
+    tally.remaining = 5
+    assert not report.complete  # still in the source, and the limit not reached
+    tally.record(Transfer(v1, v2).decide(pending(30_000), BUFFER, NOW))
+    assert report.limit_reached
+    assert report.complete
+    assert report.as_json()["limit"] == 1
+    tally.record(Leave("x"))
+    assert not report.complete  # something was left in place
+
+
 def test_a_skipped_buffer_counts_as_left_a_consumed_business_queue_does_not() -> None:
     buffer = QueueTally(BUFFER, ready=7, consumers=1)
     buffer.skip("1 consumer(s) on it take its messages before they are due", 7)
