@@ -404,9 +404,10 @@ def transfer(
 
     Raises ConfigError (a bad batch or limit, or source and target are the same queues),
     MissingObjectError (the target topology is not declared, or no source queue exists)
-    and BrokerUnavailable / ConnectionLost / AccessRefused before anything is read. A failure once moving has
-    begun is reported in `TransferReport.error`: every message counted as moved was
-    confirmed in the target before its original was acked; the rest is in the source.
+    and BrokerUnavailable / ConnectionLost / AccessRefused before anything is read. A
+    failure once moving has begun is reported in `TransferReport.error`: every message
+    counted as moved was confirmed in the target before its original was acked; the
+    rest is in the source.
     """
     if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= 65_535:
         raise ConfigError(f"batch must be a whole number in 1..65535, got {batch!r}")
