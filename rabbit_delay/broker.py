@@ -9,6 +9,8 @@ Facts (checked on 3.10.8, 4.0.5 and 4.3.6; see shared/RABBITMQ_NOTES.md):
     rule                                        3.10   4.0-4.2   4.3+
     basic.nack(requeue) counts towards the      yes    yes       no
       quorum delivery limit
+    a quorum queue declared without             none   20        20
+      x-delivery-limit has a limit of
     4.x adds x-queue-type=classic to a          no     yes       yes
       classic queue declared without it
     delayed-message plugin can run              yes    yes       no (Mnesia removed)
@@ -93,6 +95,13 @@ class BrokerInfo:
         unknown, assume it counts: the safe side is never to rely on a free requeue.
         """
         return not self.at_least(4, 3)
+
+    @property
+    def default_delivery_limit(self) -> int | None:
+        """The `x-delivery-limit` of a quorum queue declared without one: 20 from 4.0
+        (past it the broker dead-letters the message, reason delivery_limit), none
+        before. When unknown, assume the limit: the safe side."""
+        return None if self.version is not None and not self.at_least(4) else 20
 
     @property
     def supports_plugin(self) -> bool:

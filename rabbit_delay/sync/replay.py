@@ -106,7 +106,9 @@ def _require(connection: pika.BlockingConnection, queue: str, what: str) -> Pass
 
 
 def _stored(
-    method: pika.spec.Basic.GetOk, props: pika.spec.BasicProperties | None, body: bytes | str | None
+    method: pika.spec.Basic.GetOk | pika.spec.Basic.Deliver,
+    props: pika.spec.BasicProperties | None,
+    body: bytes | str | None,
 ) -> Stored:
     if props is None:
         props = pika.spec.BasicProperties()

@@ -76,3 +76,12 @@ def test_classic_queue_type_is_made_explicit_on_both_sides() -> None:
         "x-queue-type": "classic",
         "x-message-ttl": 5,
     }
+
+
+@pytest.mark.parametrize(
+    ("version", "limit"), [("3.10.8", None), ("3.13.7", None), ("4.0.5", 20), ("4.3.6", 20)]
+)
+def test_default_delivery_limit(version: str, limit: int | None) -> None:
+    # 4.0 gave every quorum queue declared without x-delivery-limit a limit of 20
+    assert BrokerInfo.from_server_properties(props(version)).default_delivery_limit == limit
+    assert UNKNOWN.default_delivery_limit == 20  # unknown: assume the limit
