@@ -46,7 +46,7 @@ RUN = {"python"}
 CHECKED = {"toml", "json"}
 OUTPUT = {"text"}
 SHELL = {"bash", "sh", "console"}
-KNOWN = RUN | CHECKED | OUTPUT | SHELL | {"yaml", "ini", "dockerfile", "systemd", "promql"}
+KNOWN = RUN | CHECKED | OUTPUT | SHELL | {"yaml", "ini", "dockerfile", "systemd", "promql", "sql"}
 RUN_TIMEOUT_S = 90
 
 
