@@ -53,6 +53,7 @@ from rabbit_delay.aio._connection import broker_info, close_quietly, connect_fir
 from rabbit_delay.aio._errors import CLIENT_ERRORS, mapped
 from rabbit_delay.aio.declarer import declare as declare_topology
 from rabbit_delay.aio.publisher import WORKER_BLOCKED_TIMEOUT_S, AsyncPublisher
+from rabbit_delay.aio.reconcile import AsyncReconciling
 from rabbit_delay.broker import UNKNOWN, BrokerInfo
 from rabbit_delay.consumer import App, Consumer, Transport
 from rabbit_delay.consumer._acks import AckTracker
@@ -172,9 +173,11 @@ class AsyncWorker(WorkerBase):
             self._executor = _DaemonThreads(self.concurrency, "rabbit-delay-handler")
         restore = self._install_signals()
         housekeeping: asyncio.Task[None] | None = None
+        reconciling: AsyncReconciling | None = None
         try:
             await self._open()
             self.log_consuming()
+            reconciling = self._start_reconciling()
             if self._guard is not None:
                 housekeeping = asyncio.create_task(self._housekeeping(self._guard))
             while not self._stop.is_set():
@@ -195,6 +198,8 @@ class AsyncWorker(WorkerBase):
                 await self._shutdown()
             await self._wait_running()
         finally:
+            if reconciling is not None:
+                await reconciling.stop()
             await self._close_connection()
             abandoned = list(self._tasks)
             for task in abandoned:  # forced: their claims run out after the lease
@@ -209,6 +214,21 @@ class AsyncWorker(WorkerBase):
                 self._executor.shutdown(wait=not abandoned, cancel_futures=True)
             restore()
             self.log_stopped()
+
+    def _start_reconciling(self) -> AsyncReconciling | None:
+        """The app's reconcilers in a task of their own, each run publishing on a
+        connection of its own."""
+        if not self.reconcilers:
+            return None
+        topology, urls, settings = self.app.topology, self.urls, self.connection_settings
+
+        async def connect() -> AsyncPublisher:
+            return await AsyncPublisher.connect(topology, urls, settings=settings)
+
+        metrics = self.metrics.metrics if self.metrics is not None else None
+        reconciling = AsyncReconciling(self.app, self.reconcilers, self.identity, connect, metrics)
+        reconciling.start()
+        return reconciling
 
     # -- connection --------------------------------------------------------------------
 
