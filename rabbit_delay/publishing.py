@@ -357,7 +357,9 @@ class PublisherCore(Generic[OneT, ManyT]):
         else:
             all_headers[h.H_DUE_AT] = due_at
             carried = all_headers.get(h.H_ASKED_DUE_AT)
-            if type(carried) is not int or carried > due_at:
+            if isinstance(carried, int) and not isinstance(carried, bool) and carried <= due_at:
+                all_headers[h.H_ASKED_DUE_AT] = int(carried)  # pika's `long` subclass, as int
+            else:
                 all_headers[h.H_ASKED_DUE_AT] = due_at
         all_headers[h.H_DELAY_MS] = requested_ms if requested_ms is not None else route.delay_ms
         all_headers[h.H_TIER] = route.tier

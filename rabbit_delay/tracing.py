@@ -123,7 +123,8 @@ def traceparent_of(headers: Mapping[str, object] | None) -> str | None:
 
 
 def _int(value: object) -> int | None:
-    return value if type(value) is int else None
+    """An integer header (pika decodes 64-bit ones as its own int subclass), else None."""
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class _Getter:

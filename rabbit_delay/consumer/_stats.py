@@ -145,7 +145,8 @@ class WorkerMetrics:
         if not headers:
             return
         due = headers.get(H_DUE_AT)
-        if type(due) is not int:
+        # pika decodes 64-bit integers as its own int subclass (`long`)
+        if not isinstance(due, int) or isinstance(due, bool):
             return
         tier = headers.get(H_TIER)
         if tier.__class__ is not str or tier not in self._tiers:
@@ -164,7 +165,7 @@ class WorkerMetrics:
         late, deviation = children
         late.observe(max(received_ms - due, 0) / 1000)
         asked = headers.get(H_ASKED_DUE_AT)
-        if type(asked) is int:
+        if isinstance(asked, int) and not isinstance(asked, bool):
             deviation.observe(max(due - asked, 0) / 1000)
 
 

@@ -159,9 +159,15 @@ def test_worker_metrics_time_each_delivery_by_queue_and_tier(metrics: Metrics) -
     worker.delivered("push", {h.H_DUE_AT: 10_000}, 11_000)  # no rd-tier nor rd-asked-due-at
     worker.delivered("push", {h.H_TIER: "1s"}, 10_000)  # no rd-due-at: not a delayed message
     worker.delivered("push", None, 10_000)
+
+    class Long(int):  # what pika decodes a 64-bit header integer into
+        pass
+
+    worker.delivered("push", {h.H_DUE_AT: Long(10_000), h.H_TIER: "3s"}, 10_500)
     assert sample(metrics, f"{late}_sum", queue="push", tier="1s") == pytest.approx(0.2)
     assert sample(metrics, f"{late}_count", queue="push", tier="1s") == 1
-    assert sample(metrics, f"{late}_count", queue="push", tier="3s") == 1
+    assert sample(metrics, f"{late}_count", queue="push", tier="3s") == 2
+    assert sample(metrics, f"{late}_sum", queue="push", tier="3s") == pytest.approx(0.5)
     assert sample(metrics, f"{late}_count", queue="push", tier="other") == 1
     assert sample(metrics, f"{late}_sum", queue="push", tier="none") == pytest.approx(1.0)
     assert sample(metrics, f"{deviation}_sum", queue="push", tier="cascade") == pytest.approx(0.6)

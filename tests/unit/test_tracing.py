@@ -103,17 +103,14 @@ def confirm_all(core: PublisherCore[Any, Any], outs: list[Any]) -> tuple[Any, li
 
 
 def test_a_callers_traceparent_passes_through_publish_retry_and_replay() -> None:
-    tracing.configure(enabled=False)  # as without OpenTelemetry
-    try:
-        core: PublisherCore[Any, Any] = PublisherCore(make_topology(), borrowed=True)
-        out = core.prepare(b"x", "1s", queue="orders", headers={h.H_TRACEPARENT: TRACEPARENT})
-        ledger = core.ledger([out])
-        assert ledger.trace is None
-        assert ledger.outs[0].headers[h.H_TRACEPARENT] == TRACEPARENT
-        parked = {**out.headers, h.H_PARK_REASON: "rejected", "x-death": [{}]}
-        assert replay_headers(parked)[h.H_TRACEPARENT] == TRACEPARENT
-    finally:
-        tracing.configure()
+    tracing.configure(enabled=False)  # as without OpenTelemetry (and left so)
+    core: PublisherCore[Any, Any] = PublisherCore(make_topology(), borrowed=True)
+    out = core.prepare(b"x", "1s", queue="orders", headers={h.H_TRACEPARENT: TRACEPARENT})
+    ledger = core.ledger([out])
+    assert ledger.trace is None
+    assert ledger.outs[0].headers[h.H_TRACEPARENT] == TRACEPARENT
+    parked = {**out.headers, h.H_PARK_REASON: "rejected", "x-death": [{}]}
+    assert replay_headers(parked)[h.H_TRACEPARENT] == TRACEPARENT
 
 
 def test_the_handler_context_reads_the_traceparent() -> None:
