@@ -15,9 +15,10 @@ imports it by itself: the spans below exist once the application has imported
     publish {dest}   PRODUCER  the current span, if any     one per publish call (until the
                                                             broker's confirms); its context
                                                             goes into each message without one
-    handle {queue}   CONSUMER  the message's traceparent    one per delivery, from its receipt
-                                                            to its ack; current while the
-                                                            handler runs, so its spans nest
+    handle {queue}   CONSUMER  the message's traceparent    one per delivery, from when the
+                                                            worker takes it up to its ack;
+                                                            current while the handler runs,
+                                                            so its spans nest
     retry {queue}    PRODUCER  the handle span              the copy of a failed attempt (or the
                                                             broker's delayed requeue, 4.3+)
     park {queue}     PRODUCER  the handle span              the copy sent to the parking lot
