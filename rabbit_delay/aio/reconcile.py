@@ -34,8 +34,11 @@ from rabbit_delay.consumer._reconcile import (
     StoreRelease,
     acollect,
     collect,
+    count,
     now_utc,
     reconcile_program,
+    renewal_failed,
+    run_claim_lost,
 )
 from rabbit_delay.errors import BrokerError, PublishError, RabbitDelayError
 from rabbit_delay.idempotency import AsyncGuard
@@ -97,9 +100,7 @@ async def arun_reconciler(
     finally:
         if publisher is not None:
             await publisher.close()
-    if metrics is not None and result.ran:
-        metrics.reconciled(result.name, result.ok, len(result.resubmitted))
-    return result
+    return count(result, metrics)
 
 
 async def _store(guard: AsyncGuard, step: StoreClaim | StoreRelease | StoreMark) -> object:
@@ -149,14 +150,10 @@ async def _renew(guard: AsyncGuard, key: str, owner: str, name: str) -> None:
         try:
             kept = await guard.renew(key, owner)
         except Exception as exc:
-            log.warning("reconciler %s: renewing its run claim failed: %r", name, exc)
+            renewal_failed(name, exc)
             continue
         if not kept:
-            log.warning(
-                "reconciler %s: its run claim was lost (the store could not renew it in "
-                "time); another worker may run it beside this one",
-                name,
-            )
+            run_claim_lost(name)
             return
 
 

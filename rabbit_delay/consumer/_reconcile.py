@@ -54,6 +54,7 @@ from rabbit_delay.publishing import DelayLike, PublisherCore
 if TYPE_CHECKING:
     from rabbit_delay.consumer._app import App
     from rabbit_delay.idempotency import AsyncGuard, Guard
+    from rabbit_delay.metrics import Metrics
     from rabbit_delay.topology import Topology
 
 log = logging.getLogger("rabbit_delay.reconcile")
@@ -369,6 +370,25 @@ def _resubmission(core: PublisherCore[Any, Any], item: Resubmit, now: int) -> Ou
     route = core.router.immediate(core.router.target_key(item.queue, item.routing_key))
     body, content_type = encode_body(item.body)
     return PublisherCore.outgoing(route, body, content_type, now, item.message_id, item.headers)
+
+
+def count(result: ReconcileResult, metrics: Metrics | None) -> ReconcileResult:
+    """The end of one look, for both drivers: a run is counted in the metrics."""
+    if metrics is not None and result.ran:
+        metrics.reconciled(result.name, result.ok, len(result.resubmitted))
+    return result
+
+
+def renewal_failed(name: str, exc: BaseException) -> None:
+    log.warning("reconciler %s: renewing its run claim failed: %r", name, exc)
+
+
+def run_claim_lost(name: str) -> None:
+    log.warning(
+        "reconciler %s: its run claim was lost (the store could not renew it in time); "
+        "another worker may run it beside this one",
+        name,
+    )
 
 
 def collect(items: object) -> object:

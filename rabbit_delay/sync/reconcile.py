@@ -28,8 +28,11 @@ from rabbit_delay.consumer._reconcile import (
     StoreMark,
     StoreRelease,
     collect,
+    count,
     now_utc,
     reconcile_program,
+    renewal_failed,
+    run_claim_lost,
 )
 from rabbit_delay.errors import BrokerError, PublishError, RabbitDelayError
 from rabbit_delay.idempotency import Guard
@@ -90,9 +93,7 @@ def run_reconciler(
     finally:
         if publisher is not None:
             publisher.close()
-    if metrics is not None and result.ran:
-        metrics.reconciled(result.name, result.ok, len(result.resubmitted))
-    return result
+    return count(result, metrics)
 
 
 def _store(guard: Guard, step: StoreClaim | StoreRelease | StoreMark) -> object:
@@ -147,14 +148,10 @@ class _Renewer:
             try:
                 kept = self._guard.renew(self._key, self._owner)
             except Exception as exc:
-                log.warning("reconciler %s: renewing its run claim failed: %r", self._name, exc)
+                renewal_failed(self._name, exc)
                 continue
             if not kept:
-                log.warning(
-                    "reconciler %s: its run claim was lost (the store could not renew it in "
-                    "time); another worker may run it beside this one",
-                    self._name,
-                )
+                run_claim_lost(self._name)
                 return
 
 

@@ -10,11 +10,11 @@ again afterwards: the other tests of the process keep the untraced path.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import wait_for
+from conftest import Spans, wait_for
 from prometheus_client import CollectorRegistry
 
 from rabbit_delay import names as h
@@ -30,36 +30,6 @@ from .workers.harness import HANDLER_KINDS, RunningWorker, transport
 pytestmark = pytest.mark.integration
 
 QUEUE = "orders.cancel"
-
-
-class Spans:
-    def __init__(self, exporter: Any, trace: Any, provider: Any) -> None:
-        self.exporter = exporter
-        self.trace = trace
-        self.tracer = provider.get_tracer("the application")
-
-    def all(self) -> list[Any]:
-        return list(self.exporter.get_finished_spans())
-
-    def named(self, prefix: str) -> list[Any]:
-        return [s for s in self.all() if s.name.startswith(prefix)]
-
-
-@pytest.fixture
-def spans() -> Iterator[Spans]:
-    pytest.importorskip("opentelemetry.sdk", reason="the otel extra (dev installs it)")
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing.configure(tracer_provider=provider)
-    yield Spans(exporter, trace, provider)
-    tracing.configure(enabled=False)
-    provider.shutdown()
 
 
 @pytest.fixture

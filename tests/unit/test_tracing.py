@@ -9,10 +9,10 @@ again afterwards, so the other tests of this process keep running the untraced p
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from conftest import Spans
 
 from rabbit_delay import names as h
 from rabbit_delay import tracing
@@ -46,38 +46,6 @@ def make_topology() -> Topology:
             "queues": {"orders": {"retry": {"max_attempts": 2, "tiers": ["5s"]}}},
         }
     )
-
-
-class Spans:
-    def __init__(self, exporter: Any, trace: Any, provider: Any) -> None:
-        self.exporter = exporter
-        self.trace = trace
-        self.tracer = provider.get_tracer("the application")  # its own spans
-
-    def named(self, prefix: str) -> list[Any]:
-        return [s for s in self.exporter.get_finished_spans() if s.name.startswith(prefix)]
-
-    def one(self, prefix: str) -> Any:
-        found = self.named(prefix)
-        assert len(found) == 1, [s.name for s in self.exporter.get_finished_spans()]
-        return found[0]
-
-
-@pytest.fixture
-def spans() -> Iterator[Spans]:
-    pytest.importorskip("opentelemetry.sdk", reason="the otel extra (dev installs it)")
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing.configure(tracer_provider=provider)
-    yield Spans(exporter, trace, provider)
-    tracing.configure(enabled=False)
-    provider.shutdown()
 
 
 def ids_of(span: Any) -> str:
