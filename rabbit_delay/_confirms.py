@@ -97,6 +97,7 @@ class Ledger:
         self.settled = 0  # CONFIRMED, RETURNED or NACKED
         self.confirmed = 0
         self.resent = 0  # messages sent again after a lost channel
+        self.trace: object | None = None  # the call's publish span (rabbit_delay.tracing)
 
     def __len__(self) -> int:
         return len(self.outs)

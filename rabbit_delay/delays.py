@@ -15,6 +15,7 @@ Three backends sit behind the one `publish_delayed` call:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from collections.abc import Mapping
@@ -48,6 +49,14 @@ class Route:
     mandatory: bool = True
     # A sharded tier: the exchange of each of its buffers (the first is `exchange`).
     shards: tuple[str, ...] = ()
+    # The delay asked for, when `delay_ms` had to round it up (the cascade's resolution,
+    # a longer tier for what remains); None: exactly `delay_ms`.
+    asked_ms: int | None = None
+
+    @property
+    def asked_delay_ms(self) -> int:
+        """The delay the caller asked for (`delay_ms` is what applies: never shorter)."""
+        return self.delay_ms if self.asked_ms is None else self.asked_ms
 
     def exchange_for(self, message_id: str) -> str:
         """The exchange a message with this id is published to: `exchange`, or for a
@@ -188,7 +197,10 @@ class Router:
                 + (f" = {format_ms(self._tier_ms[longest])}" if longest else "")
                 + "); it would arrive early: add a longer tier or a [cascade] to the topology"
             )
-        return self._tier_route(key, fitting[0][1])
+        route = self._tier_route(key, fitting[0][1])
+        if route.delay_ms == remaining_ms:
+            return route
+        return dataclasses.replace(route, asked_ms=remaining_ms)
 
     def _tier_allowed(self, key: str, tier: str) -> bool:
         return all(tier in self._allowed[q] for q in self._key_queues[key])
@@ -236,7 +248,10 @@ class Router:
             if units
             else self._names.cascade_deliver_exchange()
         )
-        return Route(exchange, rk, CASCADE, units * cfg.resolution, key)
+        applied = units * cfg.resolution
+        return Route(
+            exchange, rk, CASCADE, applied, key, asked_ms=delay_ms if applied != delay_ms else None
+        )
 
     def _cascade_destination(self, queue: str) -> str:
         return self.topology.queues[queue].alias or queue

@@ -13,6 +13,15 @@ creates, on first call, the one instance registered in prometheus-client's globa
     rabbit_delay_outbox_relayed_total{queue,tier}        outbox rows published and marked sent
     rabbit_delay_outbox_relay_lag_seconds{queue}         confirm time - row creation (histogram)
     rabbit_delay_outbox_refused_total{queue,reason}      outbox rows the relay could not publish
+    rabbit_delay_delivery_lateness_seconds{queue,tier}   receive time - rd-due-at (histogram)
+    rabbit_delay_schedule_deviation_seconds{queue,tier}  rd-due-at - rd-asked-due-at (histogram)
+    rabbit_delay_reconcile_runs_total{name,result}       reconciler runs, ok or failed
+    rabbit_delay_reconcile_resubmitted_total{name}       messages reconcilers re-submitted
+
+`tier` is the rd-tier a delivery came through: a tier of the topology, "cascade",
+"plugin", "now" (sent to the due exchange: a replay, a re-submission), "other" (a value
+the topology does not have) or "none" (no rd-tier header). docs/observability.md has
+every metric and PromQL alerts.
 
 Label values come from the topology (queue and tier names) and from the closed sets
 below, never from message content: one label value per message would grow the
@@ -49,6 +58,23 @@ LATENESS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
 # Outbox relay lag: a poll interval and a publish are tens to hundreds of ms; seconds
 # mean a relay that is behind, minutes one that was down.
 RELAY_LAG_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
+# Schedule deviation: 0 for tiers and the plugin (the first bucket holds them); the
+# cascade rounds up by less than its resolution (100 ms .. 1 s, or a custom one), a
+# longer tier for what remains of a moved message by up to that tier.
+DEVIATION_BUCKETS = (0.001, 0.01, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60, 300, 3600)
+# The `tier` label of a delivery without rd-tier, and of an rd-tier outside the topology.
+NO_TIER = "none"
+OTHER_TIER = "other"
+
+
+def tier_label(value: object, known: frozenset[str] | set[str]) -> str:
+    """The `tier` label for an rd-tier header value: itself when in `known` (the
+    topology's tiers and the backends: a closed set), else "other"; "none" if absent."""
+    if value is None:
+        return NO_TIER
+    if isinstance(value, bytes | bytearray):
+        value = bytes(value).decode("utf-8", errors="replace")
+    return value if isinstance(value, str) and value in known else OTHER_TIER
 
 
 class Outcome(StrEnum):
@@ -130,11 +156,37 @@ class Metrics:
         )
         self.delivery_lateness_seconds = Histogram(
             "delivery_lateness_seconds",
-            "Time from a message's due time (rd-due-at) to its delivery to a worker, seconds.",
-            ["queue"],
+            "Time from a message's due time (rd-due-at) to its delivery to a worker, seconds, "
+            "by queue and the tier (or cascade / plugin / now) it came through.",
+            ["queue", "tier"],
             namespace=NAMESPACE,
             registry=r,
             buckets=LATENESS_BUCKETS,
+        )
+        self.schedule_deviation_seconds = Histogram(
+            "schedule_deviation_seconds",
+            "How much later a message was scheduled than asked: rd-due-at minus the due time "
+            "asked for (rd-asked-due-at), seconds; the cascade's rounding up.",
+            ["queue", "tier"],
+            namespace=NAMESPACE,
+            registry=r,
+            buckets=DEVIATION_BUCKETS,
+        )
+        self.reconcile_runs_total = Counter(
+            "reconcile_runs",
+            "Reconciler runs by result: ok, or failed (the function raised, or a "
+            "re-submission was not confirmed).",
+            ["name", "result"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.reconcile_resubmitted_total = Counter(
+            "reconcile_resubmitted",
+            "Messages re-submitted (and confirmed) by reconcilers: what should have fired "
+            "and had not.",
+            ["name"],
+            namespace=NAMESPACE,
+            registry=r,
         )
 
         self.outbox_relayed_total = Counter(
@@ -192,16 +244,36 @@ class Metrics:
         finally:
             self.handler_seconds.labels(queue=queue).observe(perf_counter() - start)
 
-    def lateness(self, queue: str, due_at_ms: int | None, received_ms: int) -> None:
+    def lateness(
+        self, queue: str, due_at_ms: int | None, received_ms: int, tier: str = NO_TIER
+    ) -> None:
         """Record how late a delivery is; nothing for a message without `rd-due-at`.
 
         Early deliveries (clock skew between publisher and worker) count as 0: a negative
-        observation would make the histogram's sum go down.
+        observation would make the histogram's sum go down. `tier` is a label value
+        (`tier_label`), never a raw header.
         """
         if due_at_ms is None:
             return
         late_s = max(received_ms - due_at_ms, 0) / 1000
-        self.delivery_lateness_seconds.labels(queue=queue).observe(late_s)
+        self.delivery_lateness_seconds.labels(queue=queue, tier=tier).observe(late_s)
+
+    def schedule_deviation(
+        self, queue: str, due_at_ms: int | None, asked_due_at_ms: int | None, tier: str = NO_TIER
+    ) -> None:
+        """Record how much later than asked a message was scheduled (rd-due-at minus
+        rd-asked-due-at); nothing when either is missing. Never negative."""
+        if due_at_ms is None or asked_due_at_ms is None:
+            return
+        deviation_s = max(due_at_ms - asked_due_at_ms, 0) / 1000
+        self.schedule_deviation_seconds.labels(queue=queue, tier=tier).observe(deviation_s)
+
+    # -- reconcilers -----------------------------------------------------------------------
+
+    def reconciled(self, name: str, ok: bool, resubmitted: int) -> None:
+        """One run of reconciler `name` (a registered name: a closed set)."""
+        self.reconcile_runs_total.labels(name=name, result="ok" if ok else "failed").inc()
+        self.reconcile_resubmitted_total.labels(name=name).inc(resubmitted)
 
     # -- outbox relays ----------------------------------------------------------------------
 
@@ -249,10 +321,13 @@ def start_metrics_server(
 
 
 __all__ = [
+    "NO_TIER",
+    "OTHER_TIER",
     "Metrics",
     "Outcome",
     "PublishErrorReason",
     "default_metrics",
     "error_reason",
     "start_metrics_server",
+    "tier_label",
 ]

@@ -19,6 +19,10 @@ H_TIER = "rd-tier"  # tier name, or "cascade" / "plugin" for arbitrary delays
 H_DELAY_MS = "rd-delay-ms"  # the delay requested, milliseconds
 H_ATTEMPT = "rd-attempt"  # 1 for the first delivery attempt, +1 per retry
 H_TARGET = "rd-target"  # the routing key the message was published for
+# The due time the publisher asked for (UTC ms): publish time + the delay asked, or `at=`.
+# rd-due-at is that time rounded up to what the backend serves (the cascade's resolution),
+# so rd-due-at - rd-asked-due-at is the schedule's own deviation, never negative.
+H_ASKED_DUE_AT = "rd-asked-due-at"
 # Parking-lot headers (consumer framework).
 H_ERROR_TYPE = "rd-error-type"
 H_ERROR_MESSAGE = "rd-error-message"
@@ -42,6 +46,11 @@ BROKER_HEADER_PREFIXES = (
 )
 # The delayed-message plugin's delay header (milliseconds).
 H_PLUGIN_DELAY = "x-delay"
+# W3C trace context (https://www.w3.org/TR/trace-context/): carried unchanged through
+# tiers, the cascade, retries and replays, so a handler continues the publisher's trace.
+H_TRACEPARENT = "traceparent"
+H_TRACESTATE = "tracestate"
+TRACE_HEADERS = (H_TRACEPARENT, H_TRACESTATE)
 
 TIER_KIND = "delay"
 CASCADE_KIND = "cascade"

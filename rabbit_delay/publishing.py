@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Generic, TypedDict, TypeVar
 
 from rabbit_delay import names as h
+from rabbit_delay import tracing
 from rabbit_delay._confirms import (
     DEFAULT_BLOCKED_TIMEOUT_S,
     DEFAULT_RECOVERY_TIMEOUT_S,
@@ -138,7 +139,17 @@ class PublisherCore(Generic[OneT, ManyT]):
         return self._url_in_use
 
     def ledger(self, messages: Iterable[Outgoing]) -> Ledger:
-        return Ledger(list(messages))
+        """The ledger of one call. Where the application uses OpenTelemetry, the call's
+        publish span starts here and its trace context goes into every message that
+        carries none yet (rabbit_delay.tracing)."""
+        outs = list(messages)
+        span = None
+        tracer = tracing.active()
+        if tracer is not None and outs:
+            outs, span = tracer.start_publish(outs)
+        ledger = Ledger(outs)
+        ledger.trace = span
+        return ledger
 
     def recovery(self) -> Recovery:
         backoff = (self.settings or ConnectionSettings()).backoff
@@ -177,6 +188,8 @@ class PublisherCore(Generic[OneT, ManyT]):
         `ledger` (the outbox relay) reads it."""
         failure = ledger.failure() if error is None else ledger.error_for(error)
         self.record(ledger, failure)
+        if ledger.trace is not None:
+            tracing.end_publish(ledger.trace, ledger, failure)
         return failure
 
     def record(self, ledger: Ledger, error: RabbitDelayError | None = None) -> None:
@@ -341,10 +354,23 @@ class PublisherCore(Generic[OneT, ManyT]):
     ) -> Outgoing:
         """The message to send on `route`. `due_at` keeps a due time fixed earlier (a
         moved pending message, a relayed outbox row; default: now + the route's delay),
-        `requested_ms` the delay first asked for (default: the route's)."""
+        `requested_ms` the delay first asked for (default: the route's).
+
+        `rd-asked-due-at` is the due time asked for: now + the delay asked (before the
+        cascade rounds it up); with a fixed `due_at`, the one its headers carry (the
+        first publish's), else `due_at` itself."""
         all_headers: dict[str, object] = dict(headers) if headers else {}
         all_headers.update(route.headers)
-        all_headers[h.H_DUE_AT] = due_at if due_at is not None else now + route.delay_ms
+        if due_at is None:
+            all_headers[h.H_DUE_AT] = now + route.delay_ms
+            all_headers[h.H_ASKED_DUE_AT] = now + route.asked_delay_ms
+        else:
+            all_headers[h.H_DUE_AT] = due_at
+            carried = all_headers.get(h.H_ASKED_DUE_AT)
+            if isinstance(carried, int) and not isinstance(carried, bool) and carried <= due_at:
+                all_headers[h.H_ASKED_DUE_AT] = int(carried)  # pika's `long` subclass, as int
+            else:
+                all_headers[h.H_ASKED_DUE_AT] = due_at
         all_headers[h.H_DELAY_MS] = requested_ms if requested_ms is not None else route.delay_ms
         all_headers[h.H_TIER] = route.tier
         all_headers[h.H_ATTEMPT] = attempt

@@ -241,3 +241,49 @@ def wait_for(
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+# -- OpenTelemetry spans (tests of rabbit_delay/tracing.py) -------------------------------
+
+
+class Spans:
+    """rabbit-delay's finished spans, from the SDK's in-memory exporter; `tracer` makes
+    the application's own spans on the same provider."""
+
+    def __init__(self, exporter: Any, trace: Any, provider: Any) -> None:
+        self.exporter = exporter
+        self.trace = trace  # the opentelemetry.trace module
+        self.tracer = provider.get_tracer("the application")
+
+    def all(self) -> list[Any]:
+        return list(self.exporter.get_finished_spans())
+
+    def named(self, prefix: str) -> list[Any]:
+        return [s for s in self.all() if s.name.startswith(prefix)]
+
+    def one(self, prefix: str) -> Any:
+        found = self.named(prefix)
+        assert len(found) == 1, [s.name for s in self.all()]
+        return found[0]
+
+
+@pytest.fixture
+def spans() -> Iterator[Spans]:
+    """rabbit-delay's spans recorded on a provider of its own. OpenTelemetry is imported
+    here only, and the spans are turned off again afterwards, so the other tests of the
+    process keep running the untraced path."""
+    pytest.importorskip("opentelemetry.sdk", reason="the otel extra (dev installs it)")
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from rabbit_delay import tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.configure(tracer_provider=provider)
+    yield Spans(exporter, trace, provider)
+    tracing.configure(enabled=False)
+    provider.shutdown()

@@ -181,6 +181,40 @@ class StoreContract:
         assert await store.claim(key, "a", now_ms=T0 + RETENTION + 2, lease_ms=LEASE) is CANCELLED
         assert await store.claim(key, "a", now_ms=T0 + 2 * RETENTION, lease_ms=LEASE) is CLAIMED
 
+    async def test_a_reconcile_run_claim_and_its_period_record(
+        self, store: AsyncIdempotencyStore
+    ) -> None:
+        """What reconcilers rely on (consumer/_reconcile.py): a run claim one owner holds
+        at a time and gives back, and a period tombstone that overrides the period
+        claim of the run that wrote it and turns later looks away."""
+        running, period = new_key(), new_key()
+        assert await store.claim(period, "w1:1", now_ms=T0, lease_ms=LEASE) is CLAIMED
+        assert await store.claim(running, "w1:1", now_ms=T0, lease_ms=LEASE) is CLAIMED
+        # another worker's look meanwhile: both are taken
+        assert await store.claim(period, "w2:1", now_ms=T0 + 1, lease_ms=LEASE) is IN_PROGRESS
+        assert await store.claim(running, "w2:1", now_ms=T0 + 1, lease_ms=LEASE) is IN_PROGRESS
+        # the run ends: its period recorded, its run claim given back
+        await store.cancel(period, now_ms=T0 + 2, retention_ms=RETENTION)
+        await store.release(running, "w1:1")
+        assert await store.claim(period, "w2:2", now_ms=T0 + 3, lease_ms=LEASE) is CANCELLED
+        # `rabbit-delay reconcile` runs whatever the period, never beside a run
+        assert await store.claim(running, "cli:1", now_ms=T0 + 3, lease_ms=LEASE) is CLAIMED
+        assert await store.claim(running, "w2:3", now_ms=T0 + 4, lease_ms=LEASE) is IN_PROGRESS
+        await store.cancel(period, now_ms=T0 + 5, retention_ms=RETENTION)
+        await store.release(running, "cli:1")
+        assert await store.claim(running, "w2:4", now_ms=T0 + 6, lease_ms=LEASE) is CLAIMED
+
+    async def test_a_reconcile_period_record_lapses_after_its_retention(
+        self, store: AsyncIdempotencyStore
+    ) -> None:
+        self.needs_caller_clock()
+        period = new_key()
+        await store.cancel(period, now_ms=T0, retention_ms=RETENTION)
+        assert (
+            await store.claim(period, "w", now_ms=T0 + RETENTION - 1, lease_ms=LEASE) is CANCELLED
+        )
+        assert await store.claim(period, "w", now_ms=T0 + RETENTION, lease_ms=LEASE) is CLAIMED
+
     async def test_purge_deletes_exactly_the_expired_records(
         self, store: AsyncIdempotencyStore
     ) -> None:

@@ -53,6 +53,7 @@ from rabbit_delay.aio._connection import broker_info, close_quietly, connect_fir
 from rabbit_delay.aio._errors import CLIENT_ERRORS, mapped
 from rabbit_delay.aio.declarer import declare as declare_topology
 from rabbit_delay.aio.publisher import WORKER_BLOCKED_TIMEOUT_S, AsyncPublisher
+from rabbit_delay.aio.reconcile import AsyncReconciling
 from rabbit_delay.broker import UNKNOWN, BrokerInfo
 from rabbit_delay.consumer import App, Consumer, Transport
 from rabbit_delay.consumer._acks import AckTracker
@@ -179,9 +180,11 @@ class AsyncWorker(WorkerBase):
         housekeeping: asyncio.Task[None] | None = None
         self.run_begins()
         heartbeat = asyncio.create_task(self._heartbeat())
+        reconciling: AsyncReconciling | None = None
         try:
             await self._open()
             self.log_consuming()
+            reconciling = self._start_reconciling()
             if self._guard is not None:
                 housekeeping = asyncio.create_task(self._housekeeping(self._guard))
             while not self._stop.is_set():
@@ -202,6 +205,8 @@ class AsyncWorker(WorkerBase):
                 await self._shutdown()
             await self._wait_running()
         finally:
+            if reconciling is not None:
+                await reconciling.stop()
             await self._close_connection()
             abandoned = list(self._tasks)
             for task in abandoned:  # forced: their claims run out after the lease
@@ -225,6 +230,21 @@ class AsyncWorker(WorkerBase):
         while True:
             self.beat()
             await asyncio.sleep(HEARTBEAT_S)
+
+    def _start_reconciling(self) -> AsyncReconciling | None:
+        """The app's reconcilers in a task of their own, each run publishing on a
+        connection of its own."""
+        if not self.reconcilers:
+            return None
+        topology, urls, settings = self.app.topology, self.urls, self.connection_settings
+
+        async def connect() -> AsyncPublisher:
+            return await AsyncPublisher.connect(topology, urls, settings=settings)
+
+        metrics = self.metrics.metrics if self.metrics is not None else None
+        reconciling = AsyncReconciling(self.app, self.reconcilers, self.identity, connect, metrics)
+        reconciling.start()
+        return reconciling
 
     # -- connection --------------------------------------------------------------------
 

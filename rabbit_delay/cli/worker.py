@@ -117,7 +117,10 @@ TransportOpt = Annotated[
     TransportChoice,
     typer.Option(
         "--transport",
-        help="sync (pika, threads) or async (aio-pika); auto: async if a handler is async def.",
+        help=(
+            "sync (pika, threads) or async (aio-pika); auto: async if a handler or reconciler "
+            "is async def."
+        ),
     ),
 ]
 ShutdownOpt = Annotated[
@@ -214,7 +217,10 @@ def worker(
         the_app = load_app(target, app_dir)
         consumers = the_app.select(queue)
         if transport is TransportChoice.AUTO:
-            chosen = Transport.ASYNC if any(c.is_async for c in consumers) else Transport.SYNC
+            uses_async = any(c.is_async for c in consumers) or any(
+                r.is_async for r in the_app.reconcilers.values()
+            )
+            chosen = Transport.ASYNC if uses_async else Transport.SYNC
         else:
             chosen = Transport(transport.value)
         metrics = None

@@ -12,6 +12,7 @@ Run it with `rabbit-delay worker myapp:app`, or `rabbit_delay.sync.worker.Worker
 / `rabbit_delay.aio.worker.AsyncWorker(app)`. Acks happen only after the handler
 returned; failures go back through the delay tiers (`decide`), and a message that
 keeps failing ends up in its queue's parking lot. See docs/consumer.md.
+`@app.reconcile(every="10m")` registers a reconciler (docs/reconciliation.md).
 """
 
 from rabbit_delay.consumer._app import App, Consumer, Prepared, Transport, is_async_callable
@@ -34,6 +35,13 @@ from rabbit_delay.consumer._decide import (
     Undecodable,
     decide,
 )
+from rabbit_delay.consumer._reconcile import (
+    AsyncReconcileContext,
+    ReconcileContext,
+    Reconciler,
+    ReconcileResult,
+    Resubmit,
+)
 from rabbit_delay.consumer._signals import Reject, Retry
 from rabbit_delay.consumer._stats import WorkerMetrics, WorkerStats
 
@@ -42,6 +50,7 @@ __all__ = [
     "Ack",
     "Action",
     "App",
+    "AsyncReconcileContext",
     "BrokerRetry",
     "Consumer",
     "HandlerContext",
@@ -50,10 +59,14 @@ __all__ = [
     "ParkReason",
     "Prepared",
     "QueuePolicy",
+    "ReconcileContext",
+    "ReconcileResult",
+    "Reconciler",
     "Reject",
     "Republish",
     "RepublishReason",
     "Requeue",
+    "Resubmit",
     "Retry",
     "Skip",
     "SkipReason",

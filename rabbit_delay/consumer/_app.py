@@ -32,6 +32,7 @@ from rabbit_delay.consumer._decide import (
     Undecodable,
     decide,
 )
+from rabbit_delay.consumer._reconcile import Reconciler, make_reconciler
 from rabbit_delay.delays import Router
 from rabbit_delay.durations import DurationLike, parse_positive_ms
 from rabbit_delay.errors import ConfigError, DecodeError
@@ -243,6 +244,7 @@ class App:
         self.retention_ms = parse_positive_ms(retention) if retention is not None else cfg.retention
         self.router = Router(self.topology)
         self.consumers: dict[str, Consumer] = {}
+        self.reconcilers: dict[str, Reconciler] = {}
         self._store = store
         self._async_store: AsyncIdempotencyStore | None = None
         self._guard: Guard | None = None
@@ -306,6 +308,52 @@ class App:
         self.consumers[queue] = registered
         return registered
 
+    def reconcile(self, *, every: DurationLike, name: str | None = None) -> Callable[[F], F]:
+        """Register the decorated function as a reconciler, run by the workers every
+        `every` (one worker at a time, through the idempotency store) and by `rabbit-delay
+        reconcile`. It takes a ReconcileContext (AsyncReconcileContext for an `async def`,
+        which needs the async worker) and returns or yields `Resubmit`s to publish, or
+        None; see docs/reconciliation.md. `name` defaults to the function's name.
+
+        Raises ConfigError for an `every` that is not a positive duration, a name already
+        registered or not made of letters, digits, '_', '.' and '-', or a function that
+        takes no argument.
+        """
+
+        def register(fn: F) -> F:
+            self.add_reconciler(fn, every=every, name=name)
+            return fn
+
+        return register
+
+    def add_reconciler(
+        self, fn: Callable[..., Any], *, every: DurationLike, name: str | None = None
+    ) -> Reconciler:
+        """`reconcile(...)` without the decorator. Raises like `reconcile`."""
+        try:
+            every_ms = parse_positive_ms(every)
+        except ConfigError as exc:
+            raise ConfigError(f"@app.reconcile(every={every!r}): {exc}") from None
+        reconciler = make_reconciler(fn, every_ms, name)
+        if reconciler.name in self.reconcilers:
+            raise ConfigError(
+                f"a reconciler named {reconciler.name!r} is already registered; give this one "
+                "another name=..."
+            )
+        self.reconcilers[reconciler.name] = reconciler
+        return reconciler
+
+    def select_reconcilers(self, names: Sequence[str] | None = None) -> list[Reconciler]:
+        """The reconcilers to run: all, or those named. Raises ConfigError for a name
+        that is not registered."""
+        if not names:
+            return list(self.reconcilers.values())
+        unknown = [n for n in names if n not in self.reconcilers]
+        if unknown:
+            known = ", ".join(sorted(self.reconcilers)) or "none"
+            raise ConfigError(f"no reconciler named {unknown[0]!r}; registered: {known}")
+        return [self.reconcilers[n] for n in names]
+
     def select(self, queues: Sequence[str] | None = None) -> list[Consumer]:
         """The consumers a worker runs: all of them, or those of `queues`.
 
@@ -329,7 +377,8 @@ class App:
     def check_runnable(self, consumers: Sequence[Consumer], transport: Transport) -> None:
         """Refuse, before connecting, what the chosen worker cannot run.
 
-        Raises ConfigError for an async handler or an async-only store in the sync worker.
+        Raises ConfigError for an async handler or reconciler, or an async-only store, in
+        the sync worker.
         """
         if transport == Transport.SYNC:
             bad = [c for c in consumers if c.is_async]
@@ -339,7 +388,15 @@ class App:
                     f"the sync (pika) worker cannot run async handlers: {listed}; run the "
                     "async worker (`rabbit-delay worker --transport async`, or AsyncWorker)"
                 )
-            if any(c.idempotent for c in consumers) and _is_async_store(self._store):
+            slow = [r.name for r in self.reconcilers.values() if r.is_async]
+            if slow:
+                raise ConfigError(
+                    f"the sync (pika) worker cannot run async reconcilers: {', '.join(slow)}; "
+                    "run the async worker (`rabbit-delay worker --transport async`, or "
+                    "AsyncWorker), or make them plain `def`s"
+                )
+            uses_store = any(c.idempotent for c in consumers) or self.reconcilers
+            if uses_store and _is_async_store(self._store):
                 raise ConfigError(
                     f"the idempotency store {type(self._store).__name__} is asynchronous: "
                     "run the async worker, or give the app a synchronous store"

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 from rabbit_delay.message import Envelope
+from rabbit_delay.tracing import traceparent_of
 
 
 def clock_ms() -> int:
@@ -32,6 +35,11 @@ class HandlerContext:
     redelivered: bool
     received_ms: int  # UTC epoch ms when the worker took the delivery
     max_attempts: int
+    # Makes the delivery's handle span current while the handler runs (rabbit_delay.
+    # tracing, where the application uses OpenTelemetry); None otherwise. For the worker.
+    span_scope: Callable[[], AbstractContextManager[Any]] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def message_id(self) -> str | None:
@@ -49,6 +57,12 @@ class HandlerContext:
     @property
     def headers(self) -> Mapping[str, object]:
         return self.envelope.headers
+
+    @property
+    def traceparent(self) -> str | None:
+        """The W3C trace context the publisher sent (`traceparent` header), carried
+        unchanged through the delay and every retry; None if it sent none."""
+        return traceparent_of(self.envelope.headers)
 
     @property
     def scheduled_at(self) -> datetime | None:

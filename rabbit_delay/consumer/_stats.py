@@ -6,7 +6,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -22,10 +22,11 @@ from rabbit_delay.consumer._decide import (
     Skip,
     SkipReason,
 )
+from rabbit_delay.delays import CASCADE, IMMEDIATE, PLUGIN
 from rabbit_delay.durations import format_ms
 from rabbit_delay.logs import delivery_fields
 from rabbit_delay.message import text_header
-from rabbit_delay.names import H_DELAY_MS, H_TIER
+from rabbit_delay.names import H_ASKED_DUE_AT, H_DELAY_MS, H_DUE_AT, H_TIER
 
 if TYPE_CHECKING:
     from rabbit_delay.metrics import Metrics
@@ -83,47 +84,92 @@ class WorkerStats:
         # Requeue: counted as `requeued` once the nack is written (Settled.requeued).
 
 
+# What an action counts as in rabbit_delay_handled_total{outcome}: keyed by the reason of
+# a Skip or Republish, else by the action's type. A requeue, or a copy re-published during
+# a store outage, is no outcome: the message comes back.
+_OUTCOME_OF: dict[object, str] = {
+    Ack: "success",
+    Park: "park",
+    RepublishReason.RETRY: "retry",
+    BrokerRetry: "retry",
+    RepublishReason.DEFER: "in_progress",
+    SkipReason.DUPLICATE: "duplicate",
+    SkipReason.CANCELLED: "cancelled",
+}
+
+
+def _outcome_key(action: Action) -> object:
+    return action.reason if isinstance(action, Skip | Republish) else type(action)
+
+
+def outcome_of(action: Action) -> str | None:
+    """The `outcome` label (rabbit_delay.metrics.Outcome) of an action, or None for one
+    that is no outcome (the message comes back)."""
+    return _OUTCOME_OF.get(_outcome_key(action))
+
+
 class WorkerMetrics:
     """Prometheus metrics of one worker (`rabbit_delay.metrics`), label children resolved
-    once per queue so a delivery costs a few dictionary lookups."""
+    once per queue (and tier) so a delivery costs a few dictionary lookups.
 
-    def __init__(self, metrics: Metrics, queues: Iterable[str]) -> None:
+    `tiers`: the topology's tier names, which with the backends (cascade, plugin, now)
+    are the `tier` label values; any other rd-tier is counted as "other".
+    """
+
+    def __init__(self, metrics: Metrics, queues: Iterable[str], tiers: Iterable[str] = ()) -> None:
         from rabbit_delay.metrics import Outcome
 
-        by_key: dict[object, Outcome] = {
-            Ack: Outcome.SUCCESS,
-            Park: Outcome.PARK,
-            RepublishReason.RETRY: Outcome.RETRY,
-            BrokerRetry: Outcome.RETRY,
-            RepublishReason.DEFER: Outcome.IN_PROGRESS,
-            SkipReason.DUPLICATE: Outcome.DUPLICATE,
-            SkipReason.CANCELLED: Outcome.CANCELLED,
-        }
         self.metrics = metrics
         self._handled: dict[tuple[str, object], Any] = {}
         self._handler: dict[str, Any] = {}
-        self._lateness: dict[str, Any] = {}
+        # (queue, tier label) -> (lateness child, deviation child), made on first use
+        self._timing: dict[tuple[str, object], tuple[Any, Any]] = {}
+        self._tiers = frozenset((*tiers, CASCADE, PLUGIN, IMMEDIATE))
         for queue in queues:
-            for key, outcome in by_key.items():
-                child = metrics.handled_total.labels(queue=queue, outcome=outcome.value)
+            for key, outcome in _OUTCOME_OF.items():
+                child = metrics.handled_total.labels(queue=queue, outcome=Outcome(outcome).value)
                 self._handled[(queue, key)] = child
             self._handler[queue] = metrics.handler_seconds.labels(queue=queue)
-            self._lateness[queue] = metrics.delivery_lateness_seconds.labels(queue=queue)
 
     def handled(self, queue: str, action: Action) -> None:
         """Count one delivery by outcome (a requeue, or a copy re-published during a store
         outage, is not an outcome: it comes back)."""
-        key = action.reason if isinstance(action, Skip | Republish) else type(action)
-        child = self._handled.get((queue, key))
+        child = self._handled.get((queue, _outcome_key(action)))
         if child is not None:
             child.inc()
 
     def handler_time(self, queue: str, seconds: float) -> None:
         self._handler[queue].observe(seconds)
 
-    def lateness(self, queue: str, due_at_ms: int | None, received_ms: int) -> None:
-        if due_at_ms is not None:  # early (clock skew) counts as 0, as Metrics.lateness
-            self._lateness[queue].observe(max(received_ms - due_at_ms, 0) / 1000)
+    def delivered(self, queue: str, headers: Mapping[str, object] | None, received_ms: int) -> None:
+        """One delivery received: its lateness (receipt - rd-due-at) and its schedule's
+        deviation (rd-due-at - rd-asked-due-at), by queue and tier. Nothing for a message
+        without rd-due-at; early deliveries (clock skew) count as 0."""
+        if not headers:
+            return
+        due = headers.get(H_DUE_AT)
+        # pika decodes 64-bit integers as its own int subclass (`long`)
+        if not isinstance(due, int) or isinstance(due, bool):
+            return
+        tier = headers.get(H_TIER)
+        if tier.__class__ is not str or tier not in self._tiers:
+            # a closed set of keys too: "none", "other", or a bytes value decoded
+            from rabbit_delay.metrics import tier_label
+
+            tier = tier_label(tier, self._tiers)
+        key = (queue, tier)
+        children = self._timing.get(key)
+        if children is None:
+            m = self.metrics
+            children = self._timing[key] = (
+                m.delivery_lateness_seconds.labels(queue=queue, tier=tier),
+                m.schedule_deviation_seconds.labels(queue=queue, tier=tier),
+            )
+        late, deviation = children
+        late.observe(max(received_ms - due, 0) / 1000)
+        asked = headers.get(H_ASKED_DUE_AT)
+        if isinstance(asked, int) and not isinstance(asked, bool):
+            deviation.observe(max(due - asked, 0) / 1000)
 
 
 def log_action(

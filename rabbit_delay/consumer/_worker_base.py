@@ -3,6 +3,7 @@ lease book and the accounting of settled deliveries."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -10,6 +11,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
+from rabbit_delay import tracing
 from rabbit_delay.broker import BrokerInfo
 from rabbit_delay.connection import Backoff, ConnectionSettings, failover_order
 from rabbit_delay.consumer._app import App, Consumer, Prepared, Transport
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("rabbit_delay.worker")
 
 PURGE_EVERY_S = 600.0
+_NO_SPAN = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
 class WorkerSettings(TypedDict, total=False):
@@ -111,12 +114,16 @@ class WorkerBase:
         self.install_signal_handlers = install_signal_handlers
         self.stats = WorkerStats()
         self.metrics = (
-            WorkerMetrics(metrics, [c.queue for c in self.consumers]) if metrics else None
+            WorkerMetrics(metrics, [c.queue for c in self.consumers], app.topology.tiers)
+            if metrics
+            else None
         )
         self.started = threading.Event()  # set once consuming (again after a reconnect)
         self.ever_started = False
         self._wanted = desired(app.topology)
         self.guarded = any(c.idempotent for c in self.consumers)
+        # Run beside the consumers, one worker at a time (consumer/_reconcile.py).
+        self.reconcilers = list(app.reconcilers.values())
         self.leases = LeaseBook(app.lease_ms)
         self._seq = itertools.count(1)
         self._next_purge = time.monotonic() + PURGE_EVERY_S
@@ -169,7 +176,9 @@ class WorkerBase:
         owner = None
         if self.guarded and consumer.idempotent:
             owner = f"{self.identity}:{next(self._seq)}"
-        return delivery_program(
+        if self.metrics is not None:  # lateness and schedule deviation, once per delivery
+            self.metrics.delivered(consumer.queue, delivery.headers, delivery.received_ms)
+        program = delivery_program(
             consumer,
             delivery,
             owner=owner,
@@ -177,6 +186,11 @@ class WorkerBase:
             lease_ms=self.leases.lease_ms,
             clock=clock_ms,
         )
+        tracer = tracing.active()
+        if tracer is None:
+            return program
+        queue_name = self.app.topology.names.business_queue(consumer.queue)
+        return tracer.trace_delivery(program, consumer, delivery, queue_name)
 
     def account(self, settled: Settled) -> None:
         """Count and log what became of one delivery: every counter once, here only."""
@@ -340,11 +354,13 @@ def call_handler(consumer: Consumer, prepared: Prepared, metrics: WorkerMetrics 
     except Exception as exc:  # ValidationError, or whatever a TypeAdapter raises
         return Undecodable.from_exception(exc)
     start = time.perf_counter() if metrics is not None else 0.0
+    scope = prepared.ctx.span_scope
     try:
-        if consumer.takes_context:
-            consumer.handler(message, prepared.ctx)
-        else:
-            consumer.handler(message)
+        with scope() if scope is not None else _NO_SPAN:  # its span current, if traced
+            if consumer.takes_context:
+                consumer.handler(message, prepared.ctx)
+            else:
+                consumer.handler(message)
     except Exception as exc:
         return exc
     finally:
@@ -363,11 +379,13 @@ async def call_async_handler(
         return Undecodable.from_exception(exc)
     start = time.perf_counter() if metrics is not None else 0.0
     handler: Any = consumer.handler
+    scope = prepared.ctx.span_scope
     try:
-        if consumer.takes_context:
-            await handler(message, prepared.ctx)
-        else:
-            await handler(message)
+        with scope() if scope is not None else _NO_SPAN:
+            if consumer.takes_context:
+                await handler(message, prepared.ctx)
+            else:
+                await handler(message)
     except Exception as exc:
         return exc
     finally:

@@ -278,7 +278,9 @@ class Transfer:
             replay_headers(msg.headers),
             env.attempt,
             due_at=env.due_at_ms,
-            requested_ms=requested if type(requested) is int else None,
+            requested_ms=int(requested)
+            if isinstance(requested, int) and not isinstance(requested, bool)
+            else None,  # pika decodes large integers as its own `long` subclass
         )
         return Move(out, route.tier, key, remaining, max(0, route.delay_ms - max(remaining, 0)))
 

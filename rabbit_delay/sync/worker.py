@@ -81,6 +81,7 @@ from rabbit_delay.sync._connection import broker_info, close_quietly, connect_fi
 from rabbit_delay.sync._errors import CLIENT_ERRORS, mapped
 from rabbit_delay.sync.declarer import declare as declare_topology
 from rabbit_delay.sync.publisher import WORKER_BLOCKED_TIMEOUT_S, Publisher
+from rabbit_delay.sync.reconcile import Reconciling
 from rabbit_delay.urls import redact
 
 log = logging.getLogger("rabbit_delay.worker")
@@ -188,10 +189,12 @@ class Worker(WorkerBase):
         DeclarationConflict when it cannot start."""
         restore = self._install_signals()
         self.run_begins()
+        reconciling: Reconciling | None = None
         try:
             self._start_threads()
             self._open()
             self.log_consuming()
+            reconciling = self._start_reconciling()
             while not self._stop.is_set():
                 try:
                     self._loop()
@@ -206,6 +209,8 @@ class Worker(WorkerBase):
             self._wait_running()
         finally:
             self._stop.set()
+            if reconciling is not None:
+                reconciling.stop()
             self._close_connection()
             for _ in self._threads:
                 self._jobs.put(None)
@@ -219,6 +224,21 @@ class Worker(WorkerBase):
             restore()
             self.run_ends()
             self.log_stopped()
+
+    def _start_reconciling(self) -> Reconciling | None:
+        """The app's reconcilers on a thread of their own, each run publishing on a
+        connection of its own (this one belongs to this thread)."""
+        if not self.reconcilers:
+            return None
+        topology, urls, settings = self.app.topology, self.urls, self.connection_settings
+
+        def connect() -> Publisher:
+            return Publisher.connect(topology, urls, settings=settings)
+
+        metrics = self.metrics.metrics if self.metrics is not None else None
+        reconciling = Reconciling(self.app, self.reconcilers, self.identity, connect, metrics)
+        reconciling.start()
+        return reconciling
 
     # -- connection thread ---------------------------------------------------------------
 

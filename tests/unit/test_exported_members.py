@@ -105,6 +105,13 @@ def test_transports_all() -> None:
         ("from rabbit_delay import AsyncPublisher", ("pika",)),
         ("import rabbit_delay.sync", ("aio_pika", "aiormq")),
         ("import rabbit_delay.aio", ("pika",)),
+        # tracing is optional: only an application that imported it makes spans
+        (
+            "import rabbit_delay.sync.worker, rabbit_delay.aio.worker, rabbit_delay.cli\n"
+            "from rabbit_delay import tracing\n"
+            "assert tracing.active() is None",
+            ("opentelemetry",),
+        ),
     ],
 )
 def test_importing_pulls_in_only_the_transport_used(

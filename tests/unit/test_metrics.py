@@ -9,6 +9,7 @@ import urllib.request
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from rabbit_delay import names as h
 from rabbit_delay.errors import (
     BrokerUnavailable,
     DelayError,
@@ -17,12 +18,15 @@ from rabbit_delay.errors import (
     UnroutableError,
 )
 from rabbit_delay.metrics import (
+    NO_TIER,
+    OTHER_TIER,
     Metrics,
     Outcome,
     PublishErrorReason,
     default_metrics,
     error_reason,
     start_metrics_server,
+    tier_label,
 )
 
 
@@ -96,14 +100,79 @@ def test_handler_time_and_timer(metrics: Metrics) -> None:
 
 def test_lateness(metrics: Metrics) -> None:
     metrics.lateness("push", None, 5_000)  # no rd-due-at: nothing recorded
-    assert sample(metrics, "rabbit_delay_delivery_lateness_seconds_count", queue="push") is None
-    metrics.lateness("push", 1_000, 1_300)  # 0.3 s late
-    metrics.lateness("push", 2_000, 1_000)  # early (clock skew): counted as 0
     name = "rabbit_delay_delivery_lateness_seconds"
-    assert sample(metrics, f"{name}_count", queue="push") == 2
-    assert sample(metrics, f"{name}_sum", queue="push") == pytest.approx(0.3)
-    assert sample(metrics, f"{name}_bucket", queue="push", le="0.05") == 1
-    assert sample(metrics, f"{name}_bucket", queue="push", le="0.5") == 2
+    assert sample(metrics, f"{name}_count", queue="push", tier="none") is None
+    metrics.lateness("push", 1_000, 1_300, "1s")  # 0.3 s late
+    metrics.lateness("push", 2_000, 1_000, "1s")  # early (clock skew): counted as 0
+    metrics.lateness("push", 1_000, 3_000, "cascade")
+    assert sample(metrics, f"{name}_count", queue="push", tier="1s") == 2
+    assert sample(metrics, f"{name}_sum", queue="push", tier="1s") == pytest.approx(0.3)
+    assert sample(metrics, f"{name}_bucket", queue="push", tier="1s", le="0.05") == 1
+    assert sample(metrics, f"{name}_bucket", queue="push", tier="1s", le="0.5") == 2
+    assert sample(metrics, f"{name}_sum", queue="push", tier="cascade") == pytest.approx(2.0)
+
+
+def test_schedule_deviation(metrics: Metrics) -> None:
+    name = "rabbit_delay_schedule_deviation_seconds"
+    metrics.schedule_deviation("push", 62_000, None, "cascade")  # no rd-asked-due-at
+    metrics.schedule_deviation("push", None, 61_500, "cascade")
+    assert sample(metrics, f"{name}_count", queue="push", tier="cascade") is None
+    metrics.schedule_deviation("push", 62_000, 61_500, "cascade")  # rounded up by 0.5 s
+    metrics.schedule_deviation("push", 5_000, 5_000, "5s")  # a tier: exact
+    assert sample(metrics, f"{name}_sum", queue="push", tier="cascade") == pytest.approx(0.5)
+    assert sample(metrics, f"{name}_bucket", queue="push", tier="cascade", le="0.1") == 0
+    assert sample(metrics, f"{name}_bucket", queue="push", tier="cascade", le="0.5") == 1
+    assert sample(metrics, f"{name}_bucket", queue="push", tier="5s", le="0.001") == 1
+
+
+def test_tier_label_is_a_closed_set() -> None:
+    known = {"1s", "cascade", "now"}
+    assert tier_label("1s", known) == "1s"
+    assert tier_label(b"cascade", known) == "cascade"
+    assert tier_label("7s", known) == OTHER_TIER
+    assert tier_label(7, known) == OTHER_TIER
+    assert tier_label(None, known) == NO_TIER
+
+
+def test_reconciled(metrics: Metrics) -> None:
+    metrics.reconciled("overdue", True, 3)
+    metrics.reconciled("overdue", False, 0)
+    metrics.reconciled("overdue", True, 0)
+    get = metrics.registry.get_sample_value  # the label `name` would clash with sample()
+    runs = "rabbit_delay_reconcile_runs_total"
+    assert get(runs, {"name": "overdue", "result": "ok"}) == 2
+    assert get(runs, {"name": "overdue", "result": "failed"}) == 1
+    assert get("rabbit_delay_reconcile_resubmitted_total", {"name": "overdue"}) == 3
+
+
+def test_worker_metrics_time_each_delivery_by_queue_and_tier(metrics: Metrics) -> None:
+    from rabbit_delay.consumer import WorkerMetrics
+
+    worker = WorkerMetrics(metrics, ["push"], tiers=["1s", "3s"])
+    late = "rabbit_delay_delivery_lateness_seconds"
+    deviation = "rabbit_delay_schedule_deviation_seconds"
+    due = {h.H_DUE_AT: 10_000, h.H_ASKED_DUE_AT: 10_000}
+    worker.delivered("push", {**due, h.H_TIER: "1s"}, 10_200)
+    worker.delivered("push", {**due, h.H_TIER: "cascade", h.H_ASKED_DUE_AT: 9_400}, 10_000)
+    worker.delivered("push", {**due, h.H_TIER: b"3s"}, 10_000)  # aiormq may give bytes
+    worker.delivered("push", {**due, h.H_TIER: "9h"}, 10_000)  # not the topology's
+    worker.delivered("push", {h.H_DUE_AT: 10_000}, 11_000)  # no rd-tier nor rd-asked-due-at
+    worker.delivered("push", {h.H_TIER: "1s"}, 10_000)  # no rd-due-at: not a delayed message
+    worker.delivered("push", None, 10_000)
+
+    class Long(int):  # what pika decodes a 64-bit header integer into
+        pass
+
+    worker.delivered("push", {h.H_DUE_AT: Long(10_000), h.H_TIER: "3s"}, 10_500)
+    assert sample(metrics, f"{late}_sum", queue="push", tier="1s") == pytest.approx(0.2)
+    assert sample(metrics, f"{late}_count", queue="push", tier="1s") == 1
+    assert sample(metrics, f"{late}_count", queue="push", tier="3s") == 2
+    assert sample(metrics, f"{late}_sum", queue="push", tier="3s") == pytest.approx(0.5)
+    assert sample(metrics, f"{late}_count", queue="push", tier="other") == 1
+    assert sample(metrics, f"{late}_sum", queue="push", tier="none") == pytest.approx(1.0)
+    assert sample(metrics, f"{deviation}_sum", queue="push", tier="cascade") == pytest.approx(0.6)
+    assert sample(metrics, f"{deviation}_sum", queue="push", tier="1s") == 0
+    assert not sample(metrics, f"{deviation}_count", queue="push", tier="none")
 
 
 def test_one_instance_per_registry() -> None:

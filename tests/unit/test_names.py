@@ -120,9 +120,9 @@ def test_parse_refuses_foreign_names(name: str) -> None:
 
 
 def test_headers_are_the_projects_own_not_x() -> None:
-    ours = [
-        value for key, value in vars(h).items() if key.startswith("H_") and key != "H_PLUGIN_DELAY"
-    ]
+    # x-delay is the plugin's; traceparent / tracestate are the W3C's
+    theirs = ("H_PLUGIN_DELAY", "H_TRACEPARENT", "H_TRACESTATE")
+    ours = [value for key, value in vars(h).items() if key.startswith("H_") and key not in theirs]
     assert ours, "no header constants found"
     assert all(value.startswith("rd-") for value in ours)
     assert len(set(ours)) == len(ours)
@@ -130,6 +130,7 @@ def test_headers_are_the_projects_own_not_x() -> None:
     assert h.H_TIER == "rd-tier"
     assert h.H_ATTEMPT == "rd-attempt"
     assert h.H_PLUGIN_DELAY == "x-delay"
+    assert h.TRACE_HEADERS == ("traceparent", "tracestate")
 
 
 # -- tier shards ------------------------------------------------------------------------------

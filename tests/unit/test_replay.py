@@ -107,6 +107,7 @@ def test_immediate_replay_targets_only_this_queue(topology: Topology) -> None:
         "trace-id": b"abc",
         h.H_ATTEMPT: 1,
         h.H_DUE_AT: NOW,
+        h.H_ASKED_DUE_AT: NOW,
         h.H_DELAY_MS: 0,
         h.H_TIER: IMMEDIATE,
         h.H_TARGET: "shop.v1.q.orders.cancel",

@@ -360,3 +360,90 @@ def test_outgoing_keeps_a_fixed_due_time(topology: Topology) -> None:
     assert out.headers[h.H_DUE_AT] == 61_000
     assert out.headers[h.H_DELAY_MS] == 90_000
     assert out.headers[h.H_TIER] == "5m"
+
+
+# -- the due time asked for (rd-asked-due-at) -----------------------------------------------
+
+
+def cascaded() -> Topology:
+    return topology_from_dict(
+        {
+            "namespace": "shop",
+            "tiers": {"5m": "5m"},
+            "cascade": {"levels": 10, "resolution": "1s"},
+            "queues": {"push": {}},
+        }
+    )
+
+
+def test_a_tier_is_scheduled_exactly_as_asked(core: PublisherCore) -> None:
+    out = core.outgoing(core.route("5m", queue="push"), b"x", "application/json", 1_000)
+    assert out.headers[h.H_DUE_AT] == out.headers[h.H_ASKED_DUE_AT] == 301_000
+
+
+def test_the_cascade_rounds_the_asked_due_time_up() -> None:
+    core = PublisherCore(cascaded())
+    route = core.route(queue="push", delay=1.2)
+    assert (route.delay_ms, route.asked_ms, route.asked_delay_ms) == (2_000, 1_200, 1_200)
+    out = core.outgoing(route, b"x", "application/json", 1_000)
+    assert (out.headers[h.H_DUE_AT], out.headers[h.H_ASKED_DUE_AT]) == (3_000, 2_200)
+    exact = core.route(queue="push", delay=3)
+    assert (exact.delay_ms, exact.asked_ms) == (3_000, None)  # a whole number of units
+
+
+def test_at_is_the_asked_due_time() -> None:
+    core = PublisherCore(cascaded())
+    at = datetime.now(UTC) + timedelta(seconds=3.5)
+    out = core.prepare(b"x", queue="push", at=at)
+    asked = out.headers[h.H_ASKED_DUE_AT]
+    assert asked == int(at.timestamp() * 1000)
+    assert out.headers[h.H_DUE_AT] - asked in range(0, 1_000)  # type: ignore[operator]
+
+
+def test_a_longer_tier_for_what_remains_keeps_what_was_asked(topology: Topology) -> None:
+    route = Router(topology).resolve_remaining(topology.names.queue_key("push"), 60_000)
+    assert (route.tier, route.delay_ms, route.asked_ms) == ("5m", 300_000, 60_000)
+    out = PublisherCore.outgoing(route, b"x", "application/json", 1_000)
+    assert (out.headers[h.H_DUE_AT], out.headers[h.H_ASKED_DUE_AT]) == (301_000, 61_000)
+
+
+def test_a_fixed_due_time_keeps_the_first_publish_asked_due_time(topology: Topology) -> None:
+    route = Router(topology).resolve_remaining(topology.names.queue_key("push"), 60_000)
+    first = {h.H_ASKED_DUE_AT: 60_500}  # the original went through a cascade: rounded up
+    moved = PublisherCore.outgoing(route, b"x", "a/b", 1_000, "id", first, due_at=61_000)
+    assert (moved.headers[h.H_DUE_AT], moved.headers[h.H_ASKED_DUE_AT]) == (61_000, 60_500)
+    fresh = PublisherCore.outgoing(route, b"x", "a/b", 1_000, "id", None, due_at=61_000)
+    assert fresh.headers[h.H_ASKED_DUE_AT] == 61_000
+    odd = PublisherCore.outgoing(
+        route, b"x", "a/b", 1_000, "id", {h.H_ASKED_DUE_AT: 99_000}, due_at=61_000
+    )
+    assert odd.headers[h.H_ASKED_DUE_AT] == 61_000  # never after the due time
+
+
+def test_a_retry_is_asked_anew_from_its_failure() -> None:
+    """A retry copy carries the original's headers: its asked due time is written again."""
+    from rabbit_delay.consumer import QueuePolicy, Republish, decide
+    from rabbit_delay.message import Envelope
+
+    topology = topology_from_dict(
+        {
+            "namespace": "shop",
+            "tiers": {"5m": "5m"},
+            "cascade": {"levels": 10, "resolution": "1s"},
+            "queues": {"push": {"retry": {"backoff": {"initial": "1500ms", "factor": 2}}}},
+        }
+    )
+    headers = {h.H_ATTEMPT: 1, h.H_DUE_AT: 500, h.H_ASKED_DUE_AT: 400, h.H_TRACEPARENT: "tp"}
+    env = Envelope.from_headers("m-1", headers)
+    action = decide(
+        env,
+        QueuePolicy(topology, "push"),
+        RuntimeError("boom"),
+        body=b"x",
+        content_type="a/b",
+        now_ms=10_000,
+    )
+    assert isinstance(action, Republish)
+    out = action.outgoing.headers
+    assert (out[h.H_DUE_AT], out[h.H_ASKED_DUE_AT]) == (12_000, 11_500)
+    assert out[h.H_TRACEPARENT] == "tp"  # the trace context rides along unchanged

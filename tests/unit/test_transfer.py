@@ -169,6 +169,7 @@ def test_a_buffered_message_keeps_everything_and_waits_the_shortest_tier_not_sho
         h.H_ATTEMPT: 2,
         h.H_TIER: "2m",  # the route in the target
         h.H_TARGET: "shop.v2.q.orders.cancel",
+        h.H_ASKED_DUE_AT: NOW + 100_000,  # none carried: the due time is what was asked
     }
     assert out.timestamp == NOW // 1000  # when it entered the target (a buffer's age)
     assert move.destination == "shop.v2.q.orders.cancel (2m)"
