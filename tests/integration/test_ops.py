@@ -192,6 +192,27 @@ def test_status_counts_and_flags(ops: Ops, broker_url: str) -> None:
         assert n.parking_queue("orders.cancel") in checked.stdout
 
 
+def test_status_check_on_a_topology_never_declared_needs_attention(
+    make_topology: MakeTopology, tmp_path: Path, broker_url: str
+) -> None:
+    """Issue 11, observed: `status FILE --check` on a topology whose queues do not exist
+    listed them as missing, printed "nothing needs attention" and exited 0."""
+    topology = make_topology()  # never declared
+    path = tmp_path / "topology.toml"
+    path.write_text(toml_for(topology), encoding="utf-8")
+    result = cli("status", str(path), "--url", broker_url, "--check")
+    assert result.exit_code == EXIT_ATTENTION, result.stdout + result.stderr
+    assert "nothing needs attention" not in result.stdout
+    assert "missing" in result.stdout
+    assert "rabbit-delay declare" in result.stdout
+    shown = cli("status", str(path), "--url", broker_url, "--json")
+    assert shown.exit_code == 0, shown.stderr  # without --check: 0, whatever it found
+    data = json.loads(shown.stdout)
+    assert data["attention"] is True
+    assert data["queues"]
+    assert all(not row["exists"] and row["attention"] for row in data["queues"])
+
+
 def test_status_flags_a_consumer_on_a_buffer(ops: Ops) -> None:
     buffer = ops.names.tier_queue("1s")
     channel = ops.conn.channel()
