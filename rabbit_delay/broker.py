@@ -15,6 +15,8 @@ Facts (checked on 3.10.8, 4.0.5 and 4.3.6; see shared/RABBITMQ_NOTES.md):
     quorum delayed retry (x-delayed-retry-*)    no     no        yes
     unknown exchange type closes the            conn.  channel   channel
     quorum consumer over consumer_timeout       channel closed   basic.cancel (4.3)
+    peeking a quorum tier buffer's head         free   may deliver free
+      (basic.get + nack requeue)                       it early
 """
 
 from __future__ import annotations
@@ -93,6 +95,19 @@ class BrokerInfo:
         unknown, assume it counts: the safe side is never to rely on a free requeue.
         """
         return not self.at_least(4, 3)
+
+    @property
+    def peeks_quorum_buffers_freely(self) -> bool:
+        """Can the head of a quorum tier buffer or cascade level be peeked (basic.get,
+        then basic.nack with requeue) without putting it at risk?
+
+        Those queues set no `x-delivery-limit` (they have no consumers), and one that
+        dead-letters for its delivery limit sends the message to its destination EARLY.
+        3.x has no default limit; 4.0 made 20 the default and counts every requeue; 4.3
+        stopped counting a nack. Unknown version: no.
+        """
+        v = self.version
+        return v is not None and (v[:2] < (4, 0) or v[:2] >= (4, 3))
 
     @property
     def supports_plugin(self) -> bool:

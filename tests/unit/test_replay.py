@@ -169,6 +169,12 @@ def test_summary_of_a_worker_parked_message() -> None:
         "parked_at": datetime.fromtimestamp((NOW - 40_000) / 1000, UTC).isoformat(
             timespec="milliseconds"
         ),
+        "first_failure": datetime.fromtimestamp((NOW - 50_000) / 1000, UTC).isoformat(
+            timespec="milliseconds"
+        ),
+        "last_failure": datetime.fromtimestamp((NOW - 40_000) / 1000, UTC).isoformat(
+            timespec="milliseconds"
+        ),
         "original_queue": "orders.cancel",
         "target": "shop.v1.q.orders.cancel",
     }
