@@ -116,4 +116,4 @@ def main() -> None:
 
 def load_commands() -> None:
     """Import the command modules (each registers its commands on `app`)."""
-    from rabbit_delay.cli import commands, ops, worker  # noqa: F401
+    from rabbit_delay.cli import commands, delete, ops, parked, worker  # noqa: F401  # noqa: F401

@@ -24,7 +24,6 @@ from rabbit_delay.plan import (
     ExchangeSpec,
     Exists,
     Kind,
-    ObjectSpec,
     Observed,
     Operation,
     Plan,
@@ -38,7 +37,7 @@ from rabbit_delay.plan import (
     refusal_answer,
 )
 from rabbit_delay.sync._connection import broker_info
-from rabbit_delay.sync._errors import CLIENT_ERRORS, mapped, translate
+from rabbit_delay.sync._errors import CLIENT_ERRORS, translate
 from rabbit_delay.topology import Topology
 
 T = TypeVar("T")
@@ -174,35 +173,3 @@ def plan(
     """
     program = plan_program(desired(topology), observed, broker_info(connection))
     return run_program(connection, program)
-
-
-def delete_topology(connection: pika.BlockingConnection, topology: Topology) -> list[str]:
-    """Delete every queue and exchange the topology declares, WITH the messages in them.
-
-    For tests, demos and benchmarks, never part of normal operation (nothing else in
-    rabbit-delay deletes or purges). Objects already gone are skipped. Returns what was
-    deleted, as "queue NAME" / "exchange NAME". Raises AccessRefused, ConnectionLost or
-    BrokerError.
-    """
-    want = desired(topology)
-    deleted: list[str] = []
-    specs: list[ObjectSpec] = [*want.queues, *want.exchanges]
-    for spec in specs:
-        doing = f"deleting {spec.kind.value} {spec.name!r}"
-        with mapped(doing, permission="configure"):
-            channel = connection.channel()
-            try:
-                if isinstance(spec, ExchangeSpec):
-                    channel.exchange_declare(spec.name, passive=True)
-                    channel.exchange_delete(spec.name)
-                else:
-                    channel.queue_declare(spec.name, passive=True)
-                    channel.queue_delete(spec.name)
-                deleted.append(f"{spec.kind.value} {spec.name}")
-            except pika.exceptions.ChannelClosedByBroker as exc:
-                if exc.reply_code != 404:
-                    raise
-            finally:
-                if channel.is_open:
-                    channel.close()
-    return deleted

@@ -96,11 +96,19 @@ def passive_counts(
     return {queue: _passive(connection, queue) for queue in queues}
 
 
-def _require(connection: pika.BlockingConnection, queue: str, what: str) -> PassiveCounts:
+def require_queue(
+    connection: pika.BlockingConnection,
+    queue: str,
+    what: str,
+    *,
+    unchanged: str = "nothing was replayed",
+) -> PassiveCounts:
+    """Live counts of `queue`; MissingObjectError naming it (`what`) and saying that
+    `unchanged` when it does not exist. Raises ConnectionLost or AccessRefused."""
     counts = _passive(connection, queue)
     if counts is None:
         raise MissingObjectError(
-            f"{what} {queue!r} does not exist; run `rabbit-delay declare` (nothing was replayed)"
+            f"{what} {queue!r} does not exist; run `rabbit-delay declare` ({unchanged})"
         )
     return counts
 
@@ -121,28 +129,35 @@ def _stored(
     )
 
 
-def peek(connection: pika.BlockingConnection, queue: str, count: int) -> list[Stored]:
-    """Up to `count` messages from the head of `queue`, all put back when done.
+def peek(
+    connection: pika.BlockingConnection, queue: str, count: int, *, skip: int = 0
+) -> list[Stored]:
+    """Up to `count` messages of `queue` from position `skip` (0: the head), all put
+    back when done, in their order.
 
-    The fallback when the management API cannot peek: basic.get holding each message
-    unacked (so the next get returns the next one), then one multiple nack with requeue.
-    Raises MissingObjectError when the queue does not exist, ConnectionLost or
-    AccessRefused.
+    basic.get holding each message unacked (so the next get returns the next one; the
+    `skip` first are read and held too), then one multiple nack with requeue: the
+    broker puts them back as they were (checked on 3.10 and 4.3:
+    tests/integration/test_parked.py). Raises MissingObjectError when the queue does not
+    exist, ConnectionLost or AccessRefused.
     """
-    _require(connection, queue, "queue")
+    require_queue(connection, queue, "queue", unchanged="nothing was read")
     found: list[Stored] = []
+    held = 0
     # Whatever was held unacked goes back to the queue with the channel, if it is lost.
     with mapped(f"peeking at queue {queue!r}", permission="read"):
         channel = connection.channel()
         try:
-            for _ in range(count):
+            for _ in range(skip + count):
                 method, props, body = channel.basic_get(queue, auto_ack=False)
                 if method is None:
                     break
-                found.append(_stored(method, props, body))
+                held += 1
+                if held > skip:
+                    found.append(_stored(method, props, body))
         finally:
             if channel.is_open:
-                if found:
+                if held:
                     # A multiple nack: RabbitMQ 4.3 does not count it towards a delivery limit.
                     channel.basic_nack(0, multiple=True, requeue=True)
                 channel.close()
@@ -201,8 +216,8 @@ def preview_parked(
     the real run would.
     """
     plan = ParkedReplay(topology, queue, tier)
-    held = _require(connection, plan.parking_queue, "parking lot")
-    _require(connection, plan.business_queue, "business queue")
+    held = require_queue(connection, plan.parking_queue, "parking lot")
+    require_queue(connection, plan.business_queue, "business queue")
     count = min(held.ready if limit is None else min(limit, held.ready), PREVIEW_MAX)
     found, via = _peek_any(connection, endpoint, plan.parking_queue, count)
     now = now_ms()
@@ -223,7 +238,7 @@ def preview_unroutable(
 ) -> Preview:
     """What `replay_unroutable` would do with the head of the catch-all, changing nothing."""
     plan = UnroutableReplay(topology, queue)
-    held = _require(connection, plan.catch_all, "catch-all queue")
+    held = require_queue(connection, plan.catch_all, "catch-all queue")
     found, via = _peek_any(connection, endpoint, plan.catch_all, min(held.ready, PREVIEW_MAX))
     reroute = _Rerouter(connection, plan)
     rows = []
@@ -264,8 +279,8 @@ def replay_parked(
     moving is reported in `ReplayReport.error`.
     """
     plan = ParkedReplay(topology, queue, tier)
-    held = _require(connection, plan.parking_queue, "parking lot")
-    _require(connection, plan.business_queue, "business queue")
+    held = require_queue(connection, plan.parking_queue, "parking lot")
+    require_queue(connection, plan.business_queue, "business queue")
     budget = held.ready if limit is None else min(limit, held.ready)
     report = ReplayReport(plan.parking_queue, plan.destination)
     if budget <= 0:
@@ -321,7 +336,7 @@ def replay_unroutable(
     `queue`, only messages headed for that queue are moved.
     """
     plan = UnroutableReplay(topology, queue)
-    held = _require(connection, plan.catch_all, "catch-all queue")
+    held = require_queue(connection, plan.catch_all, "catch-all queue")
     report = ReplayReport(plan.catch_all, "original targets")
     moved_max = held.ready if limit is None else min(limit, held.ready)
     if moved_max <= 0:
@@ -412,4 +427,5 @@ __all__ = [
     "preview_unroutable",
     "replay_parked",
     "replay_unroutable",
+    "require_queue",
 ]
