@@ -15,8 +15,8 @@ Facts (checked on 3.10.8, 4.0.5 and 4.3.6; see shared/RABBITMQ_NOTES.md):
     quorum delayed retry (x-delayed-retry-*)    no     no        yes
     unknown exchange type closes the            conn.  channel   channel
     quorum consumer over consumer_timeout       channel closed   basic.cancel (4.3)
-    peeking a quorum tier buffer's head         free   may deliver free
-      (basic.get + nack requeue)                       it early
+    peeking a quorum tier buffer's head         late   early     free
+      (basic.get + nack requeue)
 """
 
 from __future__ import annotations
@@ -97,17 +97,31 @@ class BrokerInfo:
         return not self.at_least(4, 3)
 
     @property
-    def peeks_quorum_buffers_freely(self) -> bool:
-        """Can the head of a quorum tier buffer or cascade level be peeked (basic.get,
-        then basic.nack with requeue) without putting it at risk?
+    def quorum_buffer_peek_risk(self) -> str | None:
+        """What peeking the head of a quorum tier buffer or cascade level (basic.get, then
+        basic.nack with requeue) would cost on this broker; None when nothing.
 
-        Those queues set no `x-delivery-limit` (they have no consumers), and one that
-        dead-letters for its delivery limit sends the message to its destination EARLY.
-        3.x has no default limit; 4.0 made 20 the default and counts every requeue; 4.3
-        stopped counting a nack. Unknown version: no.
+        Measured: 3.10.8 puts the requeued head of a queue with a TTL behind the others
+        (it is then dead-lettered late, when it reaches the head again); 4.0 made 20 the
+        default delivery limit, which those queues (no consumers) do not override, and
+        counts every requeue (past it, the message is dead-lettered to its destination
+        EARLY); 4.3.6 keeps the head in place and does not count a nack.
         """
-        v = self.version
-        return v is not None and (v[:2] < (4, 0) or v[:2] >= (4, 3))
+        if self.at_least(4, 3):
+            return None
+        if self.at_least(4, 0):
+            return (
+                "a peek counts towards the buffer's default delivery limit (20) and could "
+                "deliver its oldest message early"
+            )
+        if self.version is not None:
+            return "a peek puts the buffer's oldest message back behind the others (late)"
+        return "the broker did not say its version"
+
+    @property
+    def peeks_quorum_buffers_freely(self) -> bool:
+        """Whether the head of a quorum buffer may be peeked (`quorum_buffer_peek_risk`)."""
+        return self.quorum_buffer_peek_risk is None
 
     @property
     def supports_plugin(self) -> bool:

@@ -34,7 +34,7 @@ from rabbit_delay.cli._app import (
     resolve_topology,
     url_for,
 )
-from rabbit_delay.cli.commands import MgmtOpt, NoMgmtOpt, management_access
+from rabbit_delay.cli.commands import MgmtOpt, NoMgmtOpt
 from rabbit_delay.durations import format_ms, parse_positive_ms
 from rabbit_delay.errors import RabbitDelayError
 from rabbit_delay.message import now_ms
@@ -295,6 +295,15 @@ def _progress(
         yield lambda _moved: bar.advance(task)
 
 
+# `replay --dry-run` used to peek through the management API, which puts messages back
+# out of order (sync.replay.REQUEUE_BATCH); it reads over AMQP now. The options stay
+# accepted, hidden and without effect, so scripts that pass them keep working.
+_UnusedMgmtOpt = Annotated[
+    str | None, typer.Option("--management-url", hidden=True, show_default=False)
+]
+_UnusedNoMgmtOpt = Annotated[bool, typer.Option("--no-management", hidden=True)]
+
+
 @app.command()
 def replay(
     queue: Annotated[
@@ -329,8 +338,8 @@ def replay(
         ),
     ] = False,
     url: UrlOpt = None,
-    management_url: MgmtOpt = None,
-    no_management: NoMgmtOpt = False,
+    management_url: _UnusedMgmtOpt = None,
+    no_management: _UnusedNoMgmtOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Move parked messages back to their business queue as first attempts (rd-attempt 1).
@@ -339,7 +348,6 @@ def replay(
     On a failure the message stays parked and the command stops with exit code 1.
     """
     from rabbit_delay.replay import resolve_queue
-    from rabbit_delay.sync import broker_info
     from rabbit_delay.sync._connection import close_quietly, connect_first
     from rabbit_delay.sync.replay import (
         passive_counts,
@@ -361,20 +369,14 @@ def replay(
 
     with errors_to_exit():
         topology = resolve_topology(file)
-        connection, broker = connect_first(url_for(url), name="rabbit-delay replay")
+        connection, _ = connect_first(url_for(url), name="rabbit-delay replay")
         try:
             if dry_run:
-                info = broker_info(connection)
-                endpoint = management_access(info, broker, management_url, no_management).endpoint
                 if unroutable:
-                    preview = preview_unroutable(
-                        connection, topology, queue=queue, limit=limit, endpoint=endpoint
-                    )
+                    preview = preview_unroutable(connection, topology, queue=queue, limit=limit)
                 else:
                     assert queue is not None
-                    preview = preview_parked(
-                        connection, topology, queue, tier=tier, limit=limit, endpoint=endpoint
-                    )
+                    preview = preview_parked(connection, topology, queue, tier=tier, limit=limit)
             else:
                 source = (
                     topology.names.unroutable_queue()

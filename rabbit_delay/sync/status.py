@@ -17,7 +17,7 @@ import pika
 import pika.exceptions
 
 from rabbit_delay.broker import BrokerInfo
-from rabbit_delay.errors import BrokerUnavailable, ManagementUnavailable, MissingObjectError
+from rabbit_delay.errors import BrokerUnavailable, ManagementUnavailable
 from rabbit_delay.management import (
     QueueStats,
     access_for,
@@ -32,7 +32,7 @@ from rabbit_delay.ops.status import AGE_FROM_API, PluginStore, Status, status_ro
 from rabbit_delay.plan import desired
 from rabbit_delay.sync._connection import broker_info, close_quietly, connect_first
 from rabbit_delay.sync._errors import mapped
-from rabbit_delay.sync.replay import PassiveCounts, passive_counts, peek
+from rabbit_delay.sync.replay import PassiveCounts, passive_counts, peek_head
 from rabbit_delay.topology import QueueType, Topology
 from rabbit_delay.urls import ManagementEndpoint, management_endpoint, redact
 
@@ -61,20 +61,17 @@ def passive_exchanges(
 
 
 def head_times(connection: pika.BlockingConnection, queues: Iterable[str]) -> dict[str, int | None]:
-    """When the message at the head of each queue entered it (`Stored.queued_at_ms`;
-    None when the message does not say), read by peeking one message: basic.get, then
-    nack with requeue. A queue found empty (its head just expired) or gone is left out.
+    """When the message at the head of each buffer entered it (`Stored.queued_at_ms`;
+    None when the message does not say), read by peeking it (`peek_head`). A queue
+    found empty (its head just expired) or gone is left out.
 
     Raises ConnectionLost or AccessRefused.
     """
     heads: dict[str, int | None] = {}
     for queue in queues:
-        try:
-            found = peek(connection, queue, 1)
-        except MissingObjectError:
-            continue
-        if found:
-            heads[queue] = found[0].queued_at_ms
+        head = peek_head(connection, queue)
+        if head is not None:
+            heads[queue] = head.queued_at_ms
     return heads
 
 
@@ -175,9 +172,8 @@ def read_status(
     if unpeeked:
         assert info is not None
         notes.append(
-            f"buffer ages unknown on {info.version_text or 'this broker'}: a peek would count "
-            "towards a buffer's default delivery limit (RabbitMQ 4.0-4.2) and could deliver "
-            "its oldest message early"
+            f"buffer ages unknown on RabbitMQ {info.version_text or '(version unknown)'}: "
+            f"its quorum queues cannot be peeked safely ({info.quorum_buffer_peek_risk})"
         )
     plugin = None
     if topology.plugin is not None:

@@ -212,15 +212,24 @@ def test_when_a_message_entered_its_queue() -> None:
 
 
 @pytest.mark.parametrize(
-    ("version", "free"),
-    [("3.10.8", True), ("3.13.7", True), ("4.0.5", False), ("4.2.1", False), ("4.3.6", True)],
+    ("version", "risk"),
+    [
+        ("3.10.8", "back behind the others (late)"),
+        ("3.13.7", "back behind the others (late)"),
+        ("4.0.5", "default delivery limit (20) and could deliver its oldest message early"),
+        ("4.2.1", "default delivery limit (20)"),
+        ("4.3.6", None),
+        ("4.4.0", None),
+        ("", "did not say its version"),
+    ],
 )
-def test_peeking_quorum_buffers_by_version(version: str, free: bool) -> None:
-    assert BrokerInfo(version_text=version).peeks_quorum_buffers_freely is free
-
-
-def test_an_unknown_broker_is_never_peeked() -> None:
-    assert not BrokerInfo(version_text="").peeks_quorum_buffers_freely
+def test_peeking_quorum_buffers_by_version(version: str, risk: str | None) -> None:
+    info = BrokerInfo(version_text=version)
+    assert info.peeks_quorum_buffers_freely is (risk is None)
+    if risk is None:
+        assert info.quorum_buffer_peek_risk is None
+    else:
+        assert risk in (info.quorum_buffer_peek_risk or "")
 
 
 # -- plugin store -------------------------------------------------------------------------
