@@ -8,14 +8,16 @@ declares (live; the management API's figures are sampled every few seconds).
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pika
 import pytest
-from conftest import MakeTopology, wait_for
+from conftest import MakeTopology, delete_topology, unique_namespace, wait_for
 from typer.testing import CliRunner, Result
 
 from rabbit_delay import names as h
@@ -23,9 +25,9 @@ from rabbit_delay.broker import BrokerInfo
 from rabbit_delay.cli._app import app, load_commands
 from rabbit_delay.cli.ops import EXIT_ATTENTION
 from rabbit_delay.message import JSON
-from rabbit_delay.sync import Publisher, declare
-from rabbit_delay.topology import Topology
-from rabbit_delay.urls import MANAGEMENT_URL_ENV, URL_ENV
+from rabbit_delay.sync import Publisher, connected, declare
+from rabbit_delay.topology import Topology, topology_from_dict
+from rabbit_delay.urls import MANAGEMENT_URL_ENV, URL_ENV, ManagementEndpoint
 
 from ._publishers import toml_for
 from ._terminal import Terminal
@@ -333,6 +335,73 @@ def test_status_ages_the_oldest_buffered_message_and_flags_a_stuck_buffer(
     ops.close()
     # In order, and as if never looked at: not redelivered, no delivery counted.
     assert got == [("old", False, 0), ("new", False, 0)]
+
+
+def test_status_without_amqp_reads_the_management_api(
+    ops: Ops, management: ManagementEndpoint, broker_info: BrokerInfo
+) -> None:
+    """No AMQP connection: the counts, which exchanges exist and the broker's version
+    come from the management API (unverified: nothing to compare it with)."""
+    channel = ops.conn.channel()
+    channel.exchange_delete(ops.names.parking_exchange())
+    channel.close()
+    down = "amqp://guest:guest@127.0.0.1:1/%2F"
+    result = cli("status", str(ops.path), "--url", down, "--management-url", management.base)
+    assert result.exit_code == 0, result.stderr
+    assert f"RabbitMQ {broker_info.version_text}, from the management API" in result.stdout
+    assert "counts from the management API" in result.stdout
+    data = json.loads(
+        cli(
+            "status", str(ops.path), "--url", down, "--management-url", management.base, "--json"
+        ).stdout
+    )
+    assert data["broker_version"] == broker_info.version_text
+    assert data["sources"]["ready_and_consumers"] == "management API"
+    assert data["sources"]["exchanges"] == "management API"
+    assert data["missing_exchanges"] == [ops.names.parking_exchange()]
+    assert all(row["exists"] for row in data["queues"])
+
+
+PLUGIN_URL_ENV = "RABBIT_DELAY_PLUGIN_URL"
+
+
+def test_status_shows_the_plugin_store(tmp_path: Path) -> None:
+    """How many messages the delayed-message plugin holds (`messages_delayed` of its
+    exchange in the management API; the parsing is unit-tested in test_ops_status)."""
+    url = os.environ.get(PLUGIN_URL_ENV)
+    if not url:
+        pytest.skip(
+            f"{PLUGIN_URL_ENV} is not set: no broker with rabbitmq_delayed_message_exchange"
+        )
+    topology = topology_from_dict(
+        {
+            "namespace": unique_namespace(),
+            "tiers": {"1h": "1h"},
+            "queues": {"orders.cancel": {}},
+            "plugin": {},
+        }
+    )
+    path = tmp_path / "plugin.toml"
+    path.write_text(
+        f'namespace = "{topology.namespace}"\n[tiers]\n1h = "1h"\n[queues."orders.cancel"]\n'
+        "[plugin]\n",
+        encoding="utf-8",
+    )
+    with connected(url, name="rd-test plugin status") as connection:
+        declare(connection, topology)
+    try:
+        with Publisher(topology, url) as publisher:
+            publisher.publish_delayed({"k": 1}, queue="orders.cancel", delay=timedelta(minutes=9))
+
+        def store() -> dict[str, Any] | None:
+            data = json.loads(cli("status", str(path), "--url", url, "--json").stdout)
+            plugin: dict[str, Any] | None = data["plugin_store"]
+            return plugin if plugin and plugin["delayed"] else None
+
+        shown = wait_for(store, timeout=15, what="the plugin store's count")
+        assert shown == {"exchange": topology.names.plugin_exchange(), "delayed": 1}
+    finally:
+        delete_topology(url, topology)
 
 
 def test_status_watch_refreshes_until_ctrl_c(ops: Ops) -> None:

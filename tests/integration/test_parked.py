@@ -222,3 +222,22 @@ def test_replay_shows_a_progress_bar_at_a_terminal(lot: Ops) -> None:
     assert piped.exit_code == 0, piped.stderr
     assert "replaying from" not in piped.stdout
     assert "moved 60 message(s)" in piped.stdout
+
+
+def test_a_failed_replay_after_a_listing_keeps_the_order(lot: Ops) -> None:
+    """After a listing, the lot's messages are all "requeued" ones, which a quorum queue
+    serves first, each new requeue behind them: the message whose copy failed must not
+    go behind the others."""
+    ids = park_many(lot, "orders.cancel", 40)
+    assert [m["message_id"] for m in listed(lot, "orders.cancel", "-n", "40")["messages"]] == ids
+    channel = lot.conn.channel()
+    channel.exchange_delete(lot.names.tier_exchange("1s"))
+    channel.close()
+    failed = cli("replay", "orders.cancel", str(lot.path), "--url", lot.url, "--tier", "1s")
+    assert failed.exit_code == 1
+    assert "could not be re-published" in failed.stderr
+    again = listed(lot, "orders.cancel", "-n", "40")
+    assert [m["message_id"] for m in again["messages"]] == ids
+    assert [
+        props.message_id for props, _ in lot.drain(lot.names.parking_queue("orders.cancel"))
+    ] == ids
