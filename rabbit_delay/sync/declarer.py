@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
 from collections.abc import Generator
@@ -10,7 +9,6 @@ from typing import TypeVar
 
 import pika
 import pika.exceptions
-from pika.adapters.blocking_connection import BlockingChannel
 
 from rabbit_delay.errors import MissingPluginError
 from rabbit_delay.plan import (
@@ -36,32 +34,15 @@ from rabbit_delay.plan import (
     plan_program,
     refusal_answer,
 )
-from rabbit_delay.sync._connection import broker_info
+from rabbit_delay.sync._connection import ChannelSlot, broker_info
 from rabbit_delay.sync._errors import CLIENT_ERRORS, translate
 from rabbit_delay.topology import Topology
 
 T = TypeVar("T")
 
 
-class _Executor:
+class _Executor(ChannelSlot):
     """Runs one operation at a time; a channel closed by a 404/406 is replaced."""
-
-    def __init__(self, connection: pika.BlockingConnection) -> None:
-        self.connection = connection
-        self._ch: BlockingChannel | None = None
-
-    @property
-    def channel(self) -> BlockingChannel:
-        if self._ch is None or not self._ch.is_open:
-            self._ch = self.connection.channel()
-        return self._ch
-
-    def close(self) -> None:
-        """Close the channel if it is still open; a lost one needs nothing (and an error
-        on the way out never hides the one that ended the program)."""
-        if self._ch is not None and self._ch.is_open:
-            with contextlib.suppress(*CLIENT_ERRORS):
-                self._ch.close()
 
     def __call__(self, op: Operation) -> object:
         try:

@@ -3,11 +3,8 @@ then delete in its order, looking at each queue once more just before it goes.""
 
 from __future__ import annotations
 
-import contextlib
-
 import pika
 import pika.exceptions
-from pika.adapters.blocking_connection import BlockingChannel
 
 from rabbit_delay.errors import ManagementUnavailable, RabbitDelayError
 from rabbit_delay.management import QueueStats, read_observed, read_queue_stats
@@ -20,6 +17,7 @@ from rabbit_delay.ops.delete import (
     still_idle,
 )
 from rabbit_delay.plan import Kind, PlanItem, desired, probe_retired_shards, retired_shards
+from rabbit_delay.sync._connection import ChannelSlot
 from rabbit_delay.sync._errors import CLIENT_ERRORS, mapped, translate
 from rabbit_delay.sync.declarer import run_program
 from rabbit_delay.topology import QueueType, Topology
@@ -29,24 +27,9 @@ from rabbit_delay.urls import ManagementEndpoint
 _FAILURES: tuple[type[BaseException], ...] = (*CLIENT_ERRORS, RabbitDelayError)
 
 
-class _Objects:
+class _Objects(ChannelSlot):
     """Passive declares and deletes on one channel, replaced when a 404 (or a refused
     delete) closes it."""
-
-    def __init__(self, connection: pika.BlockingConnection) -> None:
-        self.connection = connection
-        self._ch: BlockingChannel | None = None
-
-    @property
-    def channel(self) -> BlockingChannel:
-        if self._ch is None or not self._ch.is_open:
-            self._ch = self.connection.channel()
-        return self._ch
-
-    def close(self) -> None:
-        if self._ch is not None and self._ch.is_open:
-            with contextlib.suppress(*CLIENT_ERRORS):
-                self._ch.close()
 
     def queue(self, name: str) -> QueueState | None:
         with mapped(f"checking queue {name!r} (passive declare)"):

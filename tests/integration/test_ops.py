@@ -11,6 +11,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -126,14 +127,22 @@ class Ops:
             self.conn.close()
 
 
-@pytest.fixture
-def ops(make_topology: MakeTopology, tmp_path: Path, broker_url: str) -> Iterator[Ops]:
-    topology = make_topology()
+@contextmanager
+def declared(topology: Topology, tmp_path: Path, url: str) -> Iterator[Ops]:
+    """`topology` (the conftest default, with its own overrides) declared, as an Ops."""
     path = tmp_path / "topology.toml"
     path.write_text(toml_for(topology), encoding="utf-8")
-    handle = Ops(topology, path, broker_url)
-    yield handle
-    handle.close()
+    handle = Ops(topology, path, url)
+    try:
+        yield handle
+    finally:
+        handle.close()
+
+
+@pytest.fixture
+def ops(make_topology: MakeTopology, tmp_path: Path, broker_url: str) -> Iterator[Ops]:
+    with declared(make_topology(), tmp_path, broker_url) as handle:
+        yield handle
 
 
 def rows_by_name(result: Result) -> dict[str, dict[str, Any]]:
@@ -281,10 +290,11 @@ def test_status_ages_the_oldest_buffered_message_and_flags_a_stuck_buffer(
     status reads its age by peeking it (a classic queue always, a quorum one on 4.3+),
     calls the buffer stuck, and the peeks change nothing: the messages still expire on
     time and in order, and arrive as if never looked at."""
-    topology = make_topology(queue_type=queue_type)
-    path = tmp_path / "topology.toml"
-    path.write_text(toml_for(topology), encoding="utf-8")
-    ops = Ops(topology, path, broker_url)
+    with declared(make_topology(queue_type=queue_type), tmp_path, broker_url) as ops:
+        _age_and_stuck(ops, broker_info, queue_type)
+
+
+def _age_and_stuck(ops: Ops, broker_info: BrokerInfo, queue_type: str) -> None:
     n = ops.names
     buffer = n.tier_queue("3s")
     now_s = int(time.time())
@@ -332,7 +342,6 @@ def test_status_ages_the_oldest_buffered_message_and_flags_a_stuck_buffer(
             )
         )
     reader.close()
-    ops.close()
     # In order, and as if never looked at: not redelivered, no delivery counted.
     assert got == [("old", False, 0), ("new", False, 0)]
 

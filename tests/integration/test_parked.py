@@ -19,9 +19,8 @@ from rabbit_delay import names as h
 from rabbit_delay.message import BINARY, JSON, Outgoing
 from rabbit_delay.sync import Publisher
 
-from ._publishers import toml_for
 from ._terminal import Terminal
-from .test_ops import Ops, cli
+from .test_ops import Ops, cli, declared
 
 pytestmark = pytest.mark.integration
 
@@ -31,12 +30,8 @@ T0 = 1_700_000_000_000
 
 @pytest.fixture
 def lot(make_topology: MakeTopology, tmp_path: Path, broker_url: str) -> Iterator[Ops]:
-    topology = make_topology()
-    path = tmp_path / "topology.toml"
-    path.write_text(toml_for(topology), encoding="utf-8")
-    handle = Ops(topology, path, broker_url)
-    yield handle
-    handle.close()
+    with declared(make_topology(), tmp_path, broker_url) as handle:
+        yield handle
 
 
 def park_many(ops: Ops, queue: str, n: int, *, body: bytes | None = None) -> list[str]:
