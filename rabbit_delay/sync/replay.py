@@ -164,7 +164,7 @@ def requeue_in_order(
 ) -> None:
     """Put the messages held unacked on `channel` (delivery `tags`, in the order they
     came from `queue`) back where they were: see REQUEUE_BATCH. Multiple nacks: RabbitMQ
-    4.3 does not count them towards a delivery limit."""
+    4.3 does not count them towards a delivery limit. Run it inside `mapped(...)`."""
     for start in range(0, len(tags), REQUEUE_BATCH):
         batch = tags[start : start + REQUEUE_BATCH]
         before = _ready(channel, queue)
@@ -226,7 +226,8 @@ def hold_all(
 ) -> list[Delivery]:
     """Every message of `queue` (`ready` of them when counted), held unacked on
     `channel`, in queue order: by basic.get up to REQUEUE_BATCH (no consumer shows on
-    the queue), else by a consumer with an exact prefetch (much faster)."""
+    the queue), else by a consumer with an exact prefetch (much faster). Put them back
+    with `requeue_in_order`. Run it inside `mapped(...)`: pika's exceptions leave it."""
     if ready <= 0:
         return []
     if ready <= REQUEUE_BATCH:

@@ -17,7 +17,7 @@ import pika
 import pika.exceptions
 
 from rabbit_delay.broker import BrokerInfo
-from rabbit_delay.errors import BrokerUnavailable, ManagementUnavailable
+from rabbit_delay.errors import AccessRefused, BrokerUnavailable, ManagementUnavailable
 from rabbit_delay.management import (
     QueueStats,
     access_for,
@@ -60,19 +60,26 @@ def passive_exchanges(
     return {name: _exchange_exists(connection, name) for name in exchanges}
 
 
-def head_times(connection: pika.BlockingConnection, queues: Iterable[str]) -> dict[str, int | None]:
+def head_times(
+    connection: pika.BlockingConnection, queues: Iterable[str]
+) -> tuple[dict[str, int | None], AccessRefused | None]:
     """When the message at the head of each buffer entered it (`Stored.queued_at_ms`;
     None when the message does not say), read by peeking it (`peek_head`). A queue
-    found empty (its head just expired) or gone is left out.
+    found empty (its head just expired) or gone is left out. A user without the `read`
+    permission on the buffers (a monitoring user) gets no ages: the refusal is returned
+    with what was read before it.
 
-    Raises ConnectionLost or AccessRefused.
+    Raises ConnectionLost.
     """
     heads: dict[str, int | None] = {}
     for queue in queues:
-        head = peek_head(connection, queue)
+        try:
+            head = peek_head(connection, queue)
+        except AccessRefused as exc:
+            return heads, exc
         if head is not None:
             heads[queue] = head.queued_at_ms
-    return heads
+    return heads, None
 
 
 def nonempty_buffers(topology: Topology, live: dict[str, PassiveCounts | None]) -> list[str]:
@@ -119,6 +126,7 @@ def read_status(
     info: BrokerInfo | None = None
     endpoint: ManagementEndpoint | None = None
     unpeeked = False  # non-empty buffers whose head this broker's version cannot peek
+    refused: AccessRefused | None = None  # a peek the user may not do
     try:
         connection, broker = connect_first(urls, name=name)
     except BrokerUnavailable as exc:
@@ -134,7 +142,7 @@ def read_status(
             exchanges = passive_exchanges(connection, exchange_names)
             buffers = nonempty_buffers(topology, live)
             if may_peek_buffers(topology, info):
-                heads = head_times(connection, buffers)
+                heads, refused = head_times(connection, buffers)
             elif buffers:
                 unpeeked = True
         finally:
@@ -175,6 +183,8 @@ def read_status(
             f"buffer ages unknown on RabbitMQ {info.version_text or '(version unknown)'}: "
             f"its quorum queues cannot be peeked safely ({info.quorum_buffer_peek_risk})"
         )
+    if refused is not None:
+        notes.append(f"buffer ages not read: {refused}")
     plugin = None
     if topology.plugin is not None:
         plugin = PluginStore(topology.names.plugin_exchange(), delayed)
