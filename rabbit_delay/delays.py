@@ -20,7 +20,7 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from rabbit_delay.durations import MAX_TTL_MS, format_ms
+from rabbit_delay.durations import MAX_TTL_MS, format_ms, negative
 from rabbit_delay.errors import DelayError, UnknownTargetError
 from rabbit_delay.names import CASCADE_KIND, H_PLUGIN_DELAY
 from rabbit_delay.topology import Topology
@@ -126,13 +126,14 @@ class Router:
         if tier is not None:
             if delay_ms is not None and self._tier_ms.get(tier) != delay_ms:
                 raise DelayError(
-                    f"give either a tier or a delay, not both (tier {tier!r}, delay {delay_ms} ms)"
+                    f"give either a tier or a delay, not both (tier {tier!r}, delay "
+                    f"{format_ms(delay_ms)})"
                 )
             return self._tier_route(key, tier)
         if delay_ms is None:
             raise DelayError("give a tier (e.g. '30m') or a delay (timedelta or seconds)")
         if delay_ms < 0:
-            raise DelayError(f"delay {delay_ms} ms is negative; a delay must be zero or more")
+            raise DelayError(negative(delay_ms))
         exact = self._by_ms.get(delay_ms)
         if exact is not None and self._tier_allowed(key, exact):
             return self._tier_route(key, exact)

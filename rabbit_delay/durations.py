@@ -1,10 +1,13 @@
-"""Durations: parsed once at the edge, carried as whole milliseconds everywhere else."""
+"""Durations and instants: parsed once at the edge, carried as whole milliseconds
+everywhere else, and shown the same way everywhere (durations as `5m` / `1h30m`,
+instants as ISO-8601 UTC: `2026-12-02T10:00:00.000Z`)."""
 
 from __future__ import annotations
 
 import math
 import re
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
+from typing import overload
 
 from rabbit_delay.errors import DurationError
 
@@ -39,6 +42,7 @@ def parse_ms(value: DurationLike) -> int:
     elif isinstance(value, str):
         text = value.strip().lower().replace(" ", "")
         if text.startswith("-") and _WHOLE.fullmatch(text[1:]):
+            # the user's own text, quoted: it already reads like "-5m"
             raise DurationError(f"{value!r} is negative; a delay must be zero or more")
         if not _WHOLE.fullmatch(text):
             raise DurationError(f"{value!r} is not a duration; use {ALLOWED}")
@@ -46,8 +50,14 @@ def parse_ms(value: DurationLike) -> int:
     else:
         raise DurationError(f"{value!r} is not a duration; use {ALLOWED}")
     if ms < 0:
-        raise DurationError(f"{value!r} is negative; a delay must be zero or more")
+        raise DurationError(negative(math.floor(ms)))
     return math.ceil(ms - 1e-9)
+
+
+def negative(ms: int) -> str:
+    """The one wording of a negative delay, in the units users write: "delay -5m is
+    negative; ..." (never a timedelta's repr)."""
+    return f"delay {format_ms(ms)} is negative; a delay must be zero or more"
 
 
 def parse_positive_ms(value: DurationLike, *, maximum: int = MAX_TTL_MS) -> int:
@@ -64,9 +74,12 @@ def parse_positive_ms(value: DurationLike, *, maximum: int = MAX_TTL_MS) -> int:
 
 
 def format_ms(ms: int) -> str:
-    """Canonical short form: 300000 -> '5m', 5400000 -> '1h30m', 1500 -> '1s500ms'."""
+    """Canonical short form: 300000 -> '5m', 5400000 -> '1h30m', 1500 -> '1s500ms',
+    -300000 -> '-5m'."""
     if ms == 0:
         return "0s"
+    if ms < 0:
+        return "-" + format_ms(-ms)
     parts = []
     rest = ms
     for unit in ("d", "h", "m", "s", "ms"):
@@ -75,3 +88,26 @@ def format_ms(ms: int) -> str:
         if count:
             parts.append(f"{count}{unit}")
     return "".join(parts)
+
+
+@overload
+def iso_ms(ms: int) -> str: ...
+@overload
+def iso_ms(ms: None) -> None: ...
+def iso_ms(ms: int | None) -> str | None:
+    """An instant in epoch milliseconds as ISO-8601 UTC, to the millisecond:
+    1796150495995 -> '2026-12-01T18:41:35.995Z' (None stays None).
+
+    Whole seconds and milliseconds apart: `ms / 1000` as a float can land a hair below
+    the millisecond (…994.9999) and show the one before.
+    """
+    if ms is None:
+        return None
+    seconds, millis = divmod(ms, 1000)
+    instant = datetime.fromtimestamp(seconds, UTC)
+    return f"{instant:%Y-%m-%dT%H:%M:%S}.{millis:03d}Z"
+
+
+def iso(instant: datetime) -> str:
+    """An aware datetime as `iso_ms` shows instants (UTC, milliseconds, Z)."""
+    return iso_ms(math.floor(instant.timestamp() * 1000))

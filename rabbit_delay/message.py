@@ -84,6 +84,13 @@ def now_ms() -> int:
     return int(datetime.now(UTC).timestamp() * 1000)
 
 
+def text_header(value: object) -> str | None:
+    """A header read back as text: pika hands strings over as bytes, aiormq as str."""
+    if value is None:
+        return None
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 @dataclass(frozen=True, slots=True)
 class Envelope:
     """What the consumer side reads back from a delivered message."""
@@ -116,18 +123,12 @@ class Envelope:
             deferrals = int(deferrals) if deferrals is not None else 0  # type: ignore[call-overload]
         except (TypeError, ValueError) as exc:
             raise DecodeError(f"malformed rabbit-delay headers: {exc}") from None
-        tier = headers.get(h.H_TIER)
-        target = headers.get(h.H_TARGET)
         return cls(
             message_id=message_id,
             attempt=max(attempt, 1),
-            tier=tier.decode()
-            if isinstance(tier, bytes)
-            else (str(tier) if tier is not None else None),
+            tier=text_header(headers.get(h.H_TIER)),
             due_at_ms=due_at_ms,
-            target=target.decode()
-            if isinstance(target, bytes)
-            else (str(target) if target is not None else None),
+            target=text_header(headers.get(h.H_TARGET)),
             headers=headers,
             delivery_count=max(delivery_count, 0),
             crashes=max(crashes, 0),

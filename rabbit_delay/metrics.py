@@ -25,7 +25,7 @@ from enum import StrEnum
 from time import perf_counter
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 from rabbit_delay.errors import (
     BrokerError,
@@ -191,16 +191,17 @@ def default_metrics() -> Metrics:
 def start_metrics_server(
     port: int, *, addr: str = "0.0.0.0", registry: CollectorRegistry | None = None
 ) -> tuple[WSGIServer, threading.Thread]:
-    """Serve /metrics over HTTP on a daemon thread (prometheus-client's own server).
+    """Serve /metrics over HTTP on a daemon thread (`rabbit_delay.endpoints`, which
+    also serves a worker's /healthz and /readyz when given its health).
 
     Serves `registry`, by default the global REGISTRY (where `default_metrics()` lives,
     beside the process and platform collectors). Port 0 picks a free port
     (`server.server_port`); `server.shutdown()` stops it. Raises OSError if the port is
     taken.
     """
-    registry = registry if registry is not None else REGISTRY
-    server, thread = start_http_server(port, addr=addr, registry=registry)
-    return server, thread
+    from rabbit_delay.endpoints import serve
+
+    return serve(port, addr=addr, registry=registry if registry is not None else REGISTRY)
 
 
 __all__ = [

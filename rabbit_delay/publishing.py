@@ -30,7 +30,7 @@ from rabbit_delay._confirms import (
 )
 from rabbit_delay.connection import ConnectionSettings
 from rabbit_delay.delays import Route, Router
-from rabbit_delay.durations import DurationLike, parse_ms
+from rabbit_delay.durations import DurationLike, format_ms, iso, parse_ms
 from rabbit_delay.errors import (
     ConfigError,
     DelayError,
@@ -283,13 +283,14 @@ class PublisherCore(Generic[OneT, ManyT]):
                 raise DelayError("give either delay= or at=, not both")
             if at.tzinfo is None or at.utcoffset() is None:
                 raise DelayError(
-                    f"at={at!r} has no timezone; pass an aware datetime, "
-                    "e.g. datetime.now(UTC) + ..."
+                    f"at={at.isoformat(timespec='milliseconds')} has no timezone; pass an "
+                    "aware datetime, e.g. datetime.now(UTC) + ..."
                 )
             delay_ms = int(at.timestamp() * 1000) - (now if now is not None else now_ms())
             if delay_ms <= 0:
                 raise DelayError(
-                    f"at={at.isoformat()} is in the past; a delayed message must be due later"
+                    f"at={iso(at)} is {format_ms(-delay_ms)} in the past; a delayed "
+                    "message must be due later"
                 )
         elif delay is not None:
             try:

@@ -27,6 +27,7 @@ from typing import Any
 
 from rabbit_delay import names as h
 from rabbit_delay.delays import IMMEDIATE, Route, Router
+from rabbit_delay.durations import iso_ms  # re-exported: its home was here
 from rabbit_delay.errors import UnknownTargetError
 from rabbit_delay.message import BINARY, Outgoing, new_message_id, strip_broker_headers
 from rabbit_delay.publishing import PublisherCore
@@ -80,12 +81,6 @@ def _epoch_ms(value: object) -> int | None:
         return int(aware.timestamp() * 1000)
     seconds = _int(value)
     return None if seconds is None else seconds * 1000
-
-
-def iso_ms(ms: int | None) -> str | None:
-    if ms is None:
-        return None
-    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds")
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,7 +72,9 @@ def check_url(url: str, source: str = "the broker URL") -> None:
         raise ConfigError(f"{source}: {shown!r} is not a valid URL ({redact(str(exc))})") from None
     if parts.scheme.lower() not in SCHEMES or not url.lower().startswith(f"{parts.scheme}://"):
         raise ConfigError(
-            f"{source}: {shown!r} is not a broker URL: write amqp://USER:PASSWORD@HOST:5672/VHOST "
+            # the example is not written as a URL with a password: redact() would hide it
+            f"{source}: {shown!r} is not a broker URL: only amqp:// and amqps:// are "
+            "accepted; write amqp://HOST:5672/VHOST with USER:PASSWORD@ before the host "
             "(amqps:// and port 5671 for TLS)"
         )
 

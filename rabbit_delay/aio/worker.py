@@ -89,6 +89,8 @@ from rabbit_delay.urls import redact
 
 log = logging.getLogger("rabbit_delay.worker")
 
+HEARTBEAT_S = 0.5  # how often the event loop proves it is not blocked
+
 _CHANNEL_GONE = (
     aiormq.exceptions.ChannelInvalidStateError,
     aiormq.exceptions.AMQPError,
@@ -157,6 +159,9 @@ class AsyncWorker(WorkerBase):
             with contextlib.suppress(RuntimeError):  # the loop is already closed
                 loop.call_soon_threadsafe(stop.set)
 
+    def stop_requested(self) -> bool:
+        return self._stop_requested
+
     async def run(self) -> None:
         """Consume until stopped. Raises BrokerUnavailable / MissingObjectError /
         DeclarationConflict when it cannot start."""
@@ -172,6 +177,8 @@ class AsyncWorker(WorkerBase):
             self._executor = _DaemonThreads(self.concurrency, "rabbit-delay-handler")
         restore = self._install_signals()
         housekeeping: asyncio.Task[None] | None = None
+        self.run_begins()
+        heartbeat = asyncio.create_task(self._heartbeat())
         try:
             await self._open()
             self.log_consuming()
@@ -203,12 +210,21 @@ class AsyncWorker(WorkerBase):
                 await asyncio.wait(abandoned, timeout=2)
             if housekeeping is not None:
                 housekeeping.cancel()
+            heartbeat.cancel()
             if self._executor is not None:
                 # Forced: a running `def` handler cannot be interrupted; its daemon thread
                 # is left behind, and the process may exit under it.
                 self._executor.shutdown(wait=not abandoned, cancel_futures=True)
             restore()
+            self.run_ends()
             self.log_stopped()
+
+    async def _heartbeat(self) -> None:
+        """Beat from the event loop itself: a loop blocked by a handler that never
+        awaits stops beating, and /healthz says so (consumer/_health.py)."""
+        while True:
+            self.beat()
+            await asyncio.sleep(HEARTBEAT_S)
 
     # -- connection --------------------------------------------------------------------
 

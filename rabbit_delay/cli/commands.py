@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from datetime import timedelta
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -17,6 +16,7 @@ from rabbit_delay.cli._app import (
     EXIT_PENDING,
     JsonOpt,
     TopologyArg,
+    TopologyOpt,
     UrlOpt,
     app,
     errors_to_exit,
@@ -26,10 +26,10 @@ from rabbit_delay.cli._app import (
     resolve_topology,
     url_for,
 )
-from rabbit_delay.durations import parse_ms
+from rabbit_delay.durations import format_ms, iso_ms, parse_ms
 from rabbit_delay.errors import DeclarationConflict, DurationError
 from rabbit_delay.management import access_for, observe
-from rabbit_delay.names import H_DUE_AT, H_TIER
+from rabbit_delay.names import H_DELAY_MS, H_DUE_AT, H_TIER
 from rabbit_delay.plan import Action, Plan, PlanItem
 from rabbit_delay.urls import redact
 
@@ -117,6 +117,7 @@ def _summary(plan: Plan) -> str:
 @app.command()
 def plan(
     file: TopologyArg = None,
+    topology_file: TopologyOpt = None,
     url: UrlOpt = None,
     management_url: MgmtOpt = None,
     no_management: NoMgmtOpt = False,
@@ -131,7 +132,7 @@ def plan(
     from rabbit_delay.sync._connection import close_quietly, connect_first
 
     with errors_to_exit():
-        topology = resolve_topology(file)
+        topology = resolve_topology(file, topology_file)
         connection, broker = connect_first(url_for(url), name="rabbit-delay plan")
         try:
             info = broker_info(connection)
@@ -164,6 +165,7 @@ def plan(
 @app.command()
 def declare(
     file: TopologyArg = None,
+    topology_file: TopologyOpt = None,
     url: UrlOpt = None,
     management_url: MgmtOpt = None,
     no_management: NoMgmtOpt = False,
@@ -180,7 +182,7 @@ def declare(
     from rabbit_delay.sync._connection import close_quietly, connect_first
 
     with errors_to_exit():
-        topology = resolve_topology(file)
+        topology = resolve_topology(file, topology_file)
         connection, broker = connect_first(url_for(url), name="rabbit-delay declare")
         try:
             info = broker_info(connection)
@@ -195,10 +197,11 @@ def declare(
                 report = sync_declare(connection, topology, observed=observed)
             except DeclarationConflict as exc:
                 if as_json:
-                    print_json(
+                    print_json(  # the error document, with the plan that found it
                         {
                             "ok": False,
                             "error": str(exc),
+                            "kind": type(exc).__name__,
                             "source": source,
                             "items": _items_json(before.items),
                         }
@@ -232,7 +235,7 @@ def _parse_delay(delay: str | None) -> timedelta | None:
     try:
         return timedelta(milliseconds=parse_ms(delay))
     except DurationError as exc:
-        fail(str(exc))
+        fail(f"--delay: {exc}", kind=type(exc).__name__)
 
 
 @app.command()
@@ -262,7 +265,7 @@ def publish(
     message_id: Annotated[
         str | None, typer.Option("--message-id", help="Idempotency key (default: generated).")
     ] = None,
-    file: Annotated[Path | None, typer.Option("--topology", "-f", help="Topology file.")] = None,
+    file: TopologyOpt = None,
     url: UrlOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -290,19 +293,26 @@ def publish(
                 message_id=message_id,
             )
             publisher.publish_outgoing((out_msg,))
+    due_at_ms = int(str(out_msg.headers[H_DUE_AT]))
+    delay_ms = int(str(out_msg.headers[H_DELAY_MS]))
     result = {
         "message_id": out_msg.message_id,
         "exchange": out_msg.exchange,
         "routing_key": out_msg.routing_key,
-        "due_at_ms": out_msg.headers[H_DUE_AT],
         "tier": out_msg.headers[H_TIER],
+        "delay": format_ms(delay_ms),
+        "due_at": iso_ms(due_at_ms),
+        # the exact figures, for programs: the headers the message carries
+        "delay_ms": delay_ms,
+        "due_at_ms": due_at_ms,
     }
     if as_json:
         print_json(result)
     else:
         out.print(
             f"published {result['message_id']} via {result['exchange']} ({result['tier']}), "
-            f"due at ms {result['due_at_ms']}"
+            f"due at {result['due_at']} (in {result['delay']})",
+            markup=False,
         )
 
 
@@ -311,7 +321,7 @@ def permissions_command(
     role: Annotated[
         str, typer.Argument(help="declarer, publisher or worker (see docs/security.md).")
     ],
-    file: Annotated[Path | None, typer.Option("--topology", "-f", help="Topology file.")] = None,
+    file: TopologyOpt = None,
     user: Annotated[str, typer.Option("--user", help="User name in the command.")] = "USER",
     vhost: Annotated[
         str | None,

@@ -98,10 +98,8 @@ def delete(
     from rabbit_delay.sync._connection import close_quietly, connect_first
     from rabbit_delay.sync.delete import delete as sync_delete
 
-    if file is not None and topology_file is not None:
-        fail("give the topology file once: as FILE or with --topology/-f, not both")
     with errors_to_exit():
-        topology = resolve_topology(file or topology_file)
+        topology = resolve_topology(file, topology_file)
         connection, broker = connect_first(url_for(url), name="rabbit-delay delete")
         try:
             info = broker_info(connection)

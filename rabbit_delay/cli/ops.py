@@ -24,6 +24,7 @@ from rabbit_delay.cli._app import (
     EXIT_OK,
     JsonOpt,
     TopologyArg,
+    TopologyOpt,
     UrlOpt,
     app,
     err,
@@ -35,7 +36,7 @@ from rabbit_delay.cli._app import (
     url_for,
 )
 from rabbit_delay.cli.commands import MgmtOpt, NoMgmtOpt
-from rabbit_delay.durations import format_ms, parse_positive_ms
+from rabbit_delay.durations import format_ms, iso_ms, parse_positive_ms
 from rabbit_delay.errors import RabbitDelayError
 from rabbit_delay.message import now_ms
 from rabbit_delay.ops.status import (
@@ -45,7 +46,6 @@ from rabbit_delay.ops.status import (
     placement_cells,
     shows_placement,
 )
-from rabbit_delay.replay import iso_ms
 from rabbit_delay.urls import redact
 
 if TYPE_CHECKING:
@@ -140,6 +140,7 @@ def _watch(read: Callable[[], Status], interval_ms: int) -> None:
 @app.command()
 def status(
     file: TopologyArg = None,
+    topology_file: TopologyOpt = None,
     url: UrlOpt = None,
     management_url: MgmtOpt = None,
     no_management: NoMgmtOpt = False,
@@ -187,7 +188,7 @@ def status(
         fail("--interval applies to --watch only")
     with errors_to_exit():
         every = parse_positive_ms(interval or WATCH_INTERVAL)
-        topology = resolve_topology(file)
+        topology = resolve_topology(file, topology_file)
         urls = url_for(url)
 
         def read() -> Status:
@@ -315,6 +316,7 @@ def replay(
         ),
     ] = None,
     file: TopologyArg = None,
+    topology_file: TopologyOpt = None,
     limit: Annotated[
         int | None,
         typer.Option("--limit", "-n", min=1, help="Move at most N messages.", show_default=False),
@@ -362,13 +364,13 @@ def replay(
     if unroutable:
         if tier is not None:
             fail("--tier does not apply to --unroutable: catch-all messages are already due")
-        if queue is not None and file is None and _looks_like_file(queue):
+        if queue is not None and file is None and topology_file is None and _looks_like_file(queue):
             file, queue = Path(queue), None
-    elif queue is None or (file is None and _looks_like_file(queue)):
+    elif queue is None or (file is None and topology_file is None and _looks_like_file(queue)):
         fail("name the QUEUE whose parking lot to replay, or pass --unroutable for the catch-all")
 
     with errors_to_exit():
-        topology = resolve_topology(file)
+        topology = resolve_topology(file, topology_file)
         connection, _ = connect_first(url_for(url), name="rabbit-delay replay")
         try:
             if dry_run:

@@ -178,7 +178,8 @@ def show_command(
     if not copies:
         fail(
             f"no message with id {message_id!r} in {lot} ({total} message(s) there; "
-            f"`rabbit-delay parked list {queue}` lists them)"
+            f"`rabbit-delay parked list {queue}` lists them)",
+            kind="MessageNotFound",
         )
     if as_json:
         print_json(

@@ -14,13 +14,15 @@ import typer
 
 from rabbit_delay.cli._app import UrlOpt, app, errors_to_exit, fail, url_for
 from rabbit_delay.consumer import App, Transport
-from rabbit_delay.consumer._worker_base import WorkerSettings
+from rabbit_delay.consumer._worker_base import WorkerBase, WorkerSettings
+from rabbit_delay.durations import parse_ms
+from rabbit_delay.errors import DurationError
+from rabbit_delay.logs import JsonFormatter, TextFormatter
 
 if TYPE_CHECKING:
     from rabbit_delay.aio.worker import AsyncWorker
-from rabbit_delay.durations import parse_ms
-from rabbit_delay.errors import DurationError
-from rabbit_delay.urls import redact
+
+log = logging.getLogger("rabbit_delay.worker")
 
 
 class TransportChoice(StrEnum):
@@ -36,20 +38,18 @@ class LogLevel(StrEnum):
     ERROR = "error"
 
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+class LogFormat(StrEnum):
+    TEXT = "text"
+    JSON = "json"
+
+
 # The AMQP clients: pika (sync), aio-pika and aiormq under it (async).
 CLIENT_LOGGERS = ("pika", "aio_pika", "aiormq")
 
 
-class _RedactingFormatter(logging.Formatter):
-    """Client libraries log what they like at debug level; never a password in a URL."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        return redact(super().format(record))
-
-
-def configure_logging(level: LogLevel) -> None:
-    """rabbit-delay's loggers at `level`; the AMQP clients' only at debug.
+def configure_logging(level: LogLevel, log_format: LogFormat = LogFormat.TEXT) -> None:
+    """rabbit-delay's loggers at `level`; the AMQP clients' only at debug; records as
+    text lines or JSON objects (rabbit_delay.logs), on stderr, redacted.
 
     The workers log every connection problem themselves, redacted and once. The clients
     log the same failure again as a handful of ERROR lines and a traceback (pika's
@@ -57,7 +57,7 @@ def configure_logging(level: LogLevel) -> None:
     as a warning: details for --log-level debug, noise otherwise.
     """
     handler = logging.StreamHandler()  # stderr
-    handler.setFormatter(_RedactingFormatter(LOG_FORMAT))
+    handler.setFormatter(JsonFormatter() if log_format is LogFormat.JSON else TextFormatter())
     logging.basicConfig(level=logging.WARNING, handlers=[handler])
     logging.getLogger("rabbit_delay").setLevel(level.upper())
     client_level = logging.INFO if level is LogLevel.DEBUG else logging.CRITICAL
@@ -123,12 +123,45 @@ TransportOpt = Annotated[
 ShutdownOpt = Annotated[
     str, typer.Option("--shutdown-timeout", help="On SIGINT/SIGTERM, time for in-flight handlers.")
 ]
+ReconnectMaxOpt = Annotated[
+    str,
+    typer.Option(
+        "--reconnect-max",
+        help="After a lost connection, the longest wait between reconnect rounds "
+        "(they start at 250ms and double).",
+    ),
+]
 AppDirOpt = Annotated[
     Path, typer.Option("--app-dir", help="Directory to import MODULE from (default: current).")
 ]
 MetricsPortOpt = Annotated[
     int | None,
-    typer.Option("--metrics-port", min=0, help="Serve Prometheus /metrics on this port."),
+    typer.Option(
+        "--metrics-port",
+        min=0,
+        max=65535,
+        help="Serve Prometheus /metrics, and /healthz and /readyz, on this port.",
+        show_default=False,
+    ),
+]
+HealthPortOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--health-port",
+        min=0,
+        max=65535,
+        help="Serve only /healthz (liveness) and /readyz (readiness) on this port, "
+        "without metrics. Give this or --metrics-port.",
+        show_default=False,
+    ),
+]
+LogFormatOpt = Annotated[
+    LogFormat,
+    typer.Option(
+        "--log-format",
+        help="text lines, or json: one JSON object per line (ts, level, logger, message; "
+        "message_id, queue, attempt, tier for a delivery; exc_info).",
+    ),
 ]
 LogLevelOpt = Annotated[
     LogLevel,
@@ -148,9 +181,12 @@ def worker(
     declare: DeclareOpt = False,
     transport: TransportOpt = TransportChoice.AUTO,
     shutdown_timeout: ShutdownOpt = "30s",
+    reconnect_max: ReconnectMaxOpt = "30s",
     app_dir: AppDirOpt = Path("."),
     log_level: LogLevelOpt = LogLevel.INFO,
+    log_format: LogFormatOpt = LogFormat.TEXT,
     metrics_port: MetricsPortOpt = None,
+    health_port: HealthPortOpt = None,
     url: UrlOpt = None,
 ) -> None:
     """Run the consumers of MODULE:APP until SIGINT/SIGTERM.
@@ -159,46 +195,76 @@ def worker(
     and end up in its parking lot. Without --declare, queues are only checked with
     passive declarations (read permission is enough).
     """
-    configure_logging(log_level)
-    try:
-        timeout_s = parse_ms(shutdown_timeout) / 1000
-    except DurationError as exc:
-        fail(f"--shutdown-timeout: {exc}")
+    configure_logging(log_level, log_format)
+    if metrics_port is not None and health_port is not None:
+        fail("give --metrics-port (which also serves /healthz and /readyz) or --health-port")
+    durations: dict[str, float] = {}
+    for option, text in (
+        ("--shutdown-timeout", shutdown_timeout),
+        ("--reconnect-max", reconnect_max),
+    ):
+        try:
+            durations[option] = parse_ms(text) / 1000
+        except DurationError as exc:
+            fail(f"{option}: {exc}", kind=type(exc).__name__)
+    if durations["--reconnect-max"] <= 0:
+        fail("--reconnect-max: must be longer than zero, e.g. 30s")
     with errors_to_exit():
+        broker = url_for(url)  # before importing the app: a bad URL is refused at once
         the_app = load_app(target, app_dir)
         consumers = the_app.select(queue)
         if transport is TransportChoice.AUTO:
             chosen = Transport.ASYNC if any(c.is_async for c in consumers) else Transport.SYNC
         else:
             chosen = Transport(transport.value)
-        broker = url_for(url)
         metrics = None
         if metrics_port is not None:
-            from rabbit_delay.metrics import default_metrics, start_metrics_server
+            from rabbit_delay.metrics import default_metrics
 
             metrics = default_metrics()
-            start_metrics_server(metrics_port)
         # concurrency None: each worker's own default (4 threads, 16 tasks)
         settings: WorkerSettings = {
             "queues": queue,
             "prefetch": prefetch,
             "concurrency": concurrency,
             "declare": declare,
-            "shutdown_timeout": timeout_s,
+            "shutdown_timeout": durations["--shutdown-timeout"],
+            "reconnect_max_s": durations["--reconnect-max"],
             "metrics": metrics,
         }
         try:
             if chosen is Transport.SYNC:
                 from rabbit_delay.sync.worker import Worker
 
-                Worker(the_app, broker, **settings).run()
+                sync_worker = Worker(the_app, broker, **settings)
+                _serve(sync_worker, metrics_port, health_port)
+                sync_worker.run()
             else:
                 from rabbit_delay.aio.worker import AsyncWorker
 
-                asyncio.run(_run_async(the_app, AsyncWorker(the_app, broker, **settings)))
+                async_worker = AsyncWorker(the_app, broker, **settings)
+                _serve(async_worker, metrics_port, health_port)
+                asyncio.run(_run_async(the_app, async_worker))
         finally:
             if chosen is Transport.SYNC:
                 the_app.close()
+
+
+def _serve(the_worker: WorkerBase, metrics_port: int | None, health_port: int | None) -> None:
+    """Start the HTTP endpoints (rabbit_delay.endpoints) before the worker runs, so a
+    probe sees it starting. Exits when the port cannot be bound."""
+    port = metrics_port if metrics_port is not None else health_port
+    if port is None:
+        return
+    from rabbit_delay.endpoints import serve
+
+    try:
+        server, _thread = serve(port, health=the_worker.health, metrics=metrics_port is not None)
+    except OSError as exc:
+        option = "--metrics-port" if metrics_port is not None else "--health-port"
+        fail(f"{option} {port}: cannot listen there ({exc.strerror or exc})")
+    routes = "/metrics, /healthz, /readyz" if metrics_port is not None else "/healthz, /readyz"
+    log.info("serving %s on port %d", routes, server.server_port)
 
 
 async def _run_async(the_app: App, async_worker: AsyncWorker) -> None:
@@ -208,4 +274,4 @@ async def _run_async(the_app: App, async_worker: AsyncWorker) -> None:
         await the_app.aclose()
 
 
-__all__ = ["configure_logging", "load_app", "worker"]
+__all__ = ["LogFormat", "configure_logging", "load_app", "worker"]

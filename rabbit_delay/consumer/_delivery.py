@@ -57,7 +57,9 @@ from rabbit_delay.consumer._decide import (
 )
 from rabbit_delay.consumer._lease import lost_deliveries, may_have_run
 from rabbit_delay.idempotency import ClaimResult
-from rabbit_delay.message import Outgoing
+from rabbit_delay.logs import delivery_fields
+from rabbit_delay.message import Outgoing, text_header
+from rabbit_delay.names import H_TIER
 
 log = logging.getLogger("rabbit_delay.worker")
 
@@ -154,6 +156,7 @@ class Settled:
     message_id: str | None
     attempt: int
     action: Action | None  # None: handed back before its handler started
+    tier: str | None = None  # the tier it came through (rd-tier), for the log
     stale: bool = False  # its channel or consumer was gone: the broker redelivers it
     requeued: bool = False  # nacked back to the queue
     publish_error: str | None = None  # the copy could not be published (and why)
@@ -185,13 +188,21 @@ def delivery_program(
         lazy=True,  # decoded where the handler runs (Run), unless the key needs it
     )
     if not isinstance(prepared, Prepared):  # undecodable: parked without a claim
-        return (yield from _settle(consumer, delivery.message_id, 1, prepared))
+        return (
+            yield from _settle(
+                consumer,
+                delivery.message_id,
+                1,
+                prepared,
+                text_header((delivery.headers or {}).get(H_TIER)),
+            )
+        )
     env = prepared.ctx.envelope
     policy = consumer.policy
     if not prepared.ctx.redelivered and may_have_run(env, delivery.redelivered):
         ctx = dataclasses.replace(prepared.ctx, redelivered=True)
         prepared = dataclasses.replace(prepared, ctx=ctx)
-    message_id, attempt = env.message_id, env.attempt
+    message_id, attempt, tier = env.message_id, env.attempt, env.tier
     now = clock
 
     key = prepared.key if owner is not None else None
@@ -199,26 +210,31 @@ def delivery_program(
         crashes = lost_deliveries(env, delivery.redelivered, native=policy.native, held=False)
         if crashes >= policy.delivery_limit:
             action = consumer.finish(prepared, Crashed(crashes), now(), broker, crashes, lease_ms)
-            return (yield from _settle(consumer, message_id, attempt, action))
+            return (yield from _settle(consumer, message_id, attempt, action, tier))
         outcome = yield Run(consumer, prepared)
         if outcome is STOPPING:
-            return (yield from _hand_back(consumer, message_id, attempt))
+            return (yield from _hand_back(consumer, message_id, attempt, tier))
         if outcome is STALE:
-            return Settled(consumer.queue, message_id, attempt, None, stale=True)
+            return Settled(consumer.queue, message_id, attempt, None, tier=tier, stale=True)
         action = consumer.finish(prepared, _outcome(outcome), now(), broker, crashes, lease_ms)
-        return (yield from _settle(consumer, message_id, attempt, action))
+        return (yield from _settle(consumer, message_id, attempt, action, tier))
 
     claim = yield Claim(key, owner)
     if claim is STALE:
-        return Settled(consumer.queue, message_id, attempt, None, stale=True)
+        return Settled(consumer.queue, message_id, attempt, None, tier=tier, stale=True)
     if claim is STOPPING:
-        return (yield from _hand_back(consumer, message_id, attempt))
+        return (yield from _hand_back(consumer, message_id, attempt, tier))
     if isinstance(claim, Exception):
-        log.error("%s: idempotency store failed on claim: %r", consumer.queue, claim)
+        log.error(
+            "%s: idempotency store failed on claim: %r",
+            consumer.queue,
+            claim,
+            extra=delivery_fields(consumer.queue, message_id, attempt, tier),
+        )
         yield Pause(STORE_PAUSE_S)
         crashes = lost_deliveries(env, delivery.redelivered, native=policy.native, held=False)
         action = consumer.finish(prepared, Unavailable(claim), now(), broker, crashes, lease_ms)
-        return (yield from _settle(consumer, message_id, attempt, action))
+        return (yield from _settle(consumer, message_id, attempt, action, tier))
     assert isinstance(claim, ClaimResult)
     held = claim is ClaimResult.IN_PROGRESS
     crashes = lost_deliveries(env, delivery.redelivered, native=policy.native, held=held)
@@ -226,28 +242,35 @@ def delivery_program(
         if crashes >= policy.delivery_limit:
             yield Finish(key, owner, False)
             action = consumer.finish(prepared, Crashed(crashes), now(), broker, crashes, lease_ms)
-            return (yield from _settle(consumer, message_id, attempt, action))
+            return (yield from _settle(consumer, message_id, attempt, action, tier))
         outcome = yield Run(consumer, prepared)
         if outcome is STOPPING or outcome is STALE:  # not started: give the key back
             yield Finish(key, owner, False)
             if outcome is STALE:
-                return Settled(consumer.queue, message_id, attempt, None, stale=True)
-            return (yield from _hand_back(consumer, message_id, attempt))
+                return Settled(consumer.queue, message_id, attempt, None, tier=tier, stale=True)
+            return (yield from _hand_back(consumer, message_id, attempt, tier))
         result = _outcome(outcome)
         stored = yield Finish(key, owner, result is None)
         if stored is not None:
             # The handler's outcome stands; a duplicate may run again after the lease.
-            log.error("%s: idempotency store failed after the handler: %r", consumer.queue, stored)
+            log.error(
+                "%s: idempotency store failed after the handler: %r",
+                consumer.queue,
+                stored,
+                extra=delivery_fields(consumer.queue, message_id, attempt, tier),
+            )
         action = consumer.finish(prepared, result, now(), broker, crashes, lease_ms)
         if action is ACK:  # the common case, without a sub-generator
             reply = yield WRITE_ACK
-            return Settled(consumer.queue, message_id, attempt, action, stale=reply is STALE)
-        return (yield from _settle(consumer, message_id, attempt, action))
+            return Settled(
+                consumer.queue, message_id, attempt, action, tier=tier, stale=reply is STALE
+            )
+        return (yield from _settle(consumer, message_id, attempt, action, tier))
     outcome_of_claim: Outcome = claim
     if held and crashes >= policy.delivery_limit:
         outcome_of_claim = Crashed(crashes)
     action = consumer.finish(prepared, outcome_of_claim, now(), broker, crashes, lease_ms)
-    return (yield from _settle(consumer, message_id, attempt, action))
+    return (yield from _settle(consumer, message_id, attempt, action, tier))
 
 
 def _outcome(reply: object) -> Outcome:
@@ -256,15 +279,19 @@ def _outcome(reply: object) -> Outcome:
     raise TypeError(f"a Run step's reply must be None or an exception, got {reply!r}")
 
 
-def _hand_back(consumer: Consumer, message_id: str | None, attempt: int) -> Program:
+def _hand_back(
+    consumer: Consumer, message_id: str | None, attempt: int, tier: str | None
+) -> Program:
     """Not started before the shutdown: nack it back for another worker, at once."""
     reply = yield WRITE_NACK
     stale = reply is STALE
-    return Settled(consumer.queue, message_id, attempt, None, stale=stale, requeued=not stale)
+    return Settled(
+        consumer.queue, message_id, attempt, None, tier=tier, stale=stale, requeued=not stale
+    )
 
 
 def _settle(
-    consumer: Consumer, message_id: str | None, attempt: int, action: Action
+    consumer: Consumer, message_id: str | None, attempt: int, action: Action, tier: str | None
 ) -> Generator[Step, object, Settled]:
     """Execute `action` on the broker: ack, or publish the copy and only then ack, or
     hand the delivery back."""
@@ -276,7 +303,7 @@ def _settle(
         kind = "park" if isinstance(action, Park) else "republish"
         published = yield Publish(action.outgoing, kind)
         if published is STALE:
-            return Settled(consumer.queue, message_id, attempt, action, stale=True)
+            return Settled(consumer.queue, message_id, attempt, action, tier=tier, stale=True)
         if published is None:
             reply = yield WRITE_ACK  # only once the new copy is confirmed
         else:
@@ -302,6 +329,7 @@ def _settle(
         message_id,
         attempt,
         action,
+        tier=tier,
         stale=stale,
         requeued=requeued and not stale,
         publish_error=publish_error,

@@ -22,6 +22,9 @@ from rabbit_delay.consumer._decide import (
     Skip,
     SkipReason,
 )
+from rabbit_delay.durations import format_ms
+from rabbit_delay.logs import delivery_fields
+from rabbit_delay.message import text_header
 from rabbit_delay.names import H_DELAY_MS, H_TIER
 
 if TYPE_CHECKING:
@@ -123,26 +126,44 @@ class WorkerMetrics:
             self._lateness[queue].observe(max(received_ms - due_at_ms, 0) / 1000)
 
 
-def log_action(queue: str, message_id: str | None, attempt: int, action: Action) -> None:
-    """debug per message, info per retry/park, warning per error."""
+def log_action(
+    queue: str, message_id: str | None, attempt: int, action: Action, tier: str | None = None
+) -> None:
+    """debug per message, info per retry/park, warning per error. Every record carries
+    the delivery's fields (rabbit_delay.logs: `--log-format json` shows them)."""
     if isinstance(action, Ack):
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("%s: %s handled (attempt %d), acked", queue, message_id, attempt)
+            log.debug(
+                "%s: %s handled (attempt %d), acked",
+                queue,
+                message_id,
+                attempt,
+                extra=delivery_fields(queue, message_id, attempt, tier),
+            )
     elif isinstance(action, Skip):
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("%s: %s skipped (%s), acked", queue, message_id, action.reason.value)
+            log.debug(
+                "%s: %s skipped (%s), acked",
+                queue,
+                message_id,
+                action.reason.value,
+                extra=delivery_fields(queue, message_id, attempt, tier),
+            )
     elif isinstance(action, Republish):
         out = action.outgoing
-        tier = out.headers.get(H_TIER)
+        next_tier = text_header(out.headers.get(H_TIER))
+        about = delivery_fields(queue, message_id, attempt, tier, next_tier)
         if action.reason is RepublishReason.RETRY:
-            log.warning("%s: %s failed on attempt %d: %s", queue, message_id, attempt, action.error)
+            _failed(queue, message_id, attempt, action.error, about)
+            delay = out.headers.get(H_DELAY_MS)
             log.info(
-                "%s: %s will be retried as attempt %d after %s (%s ms)",
+                "%s: %s will be retried as attempt %d after %s (%s)",
                 queue,
                 message_id,
                 action.attempt,
-                tier,
-                out.headers.get(H_DELAY_MS),
+                next_tier,
+                format_ms(int(str(delay))) if delay is not None else "?",
+                extra=about,
             )
         elif action.reason is RepublishReason.UNAVAILABLE:
             log.warning(
@@ -151,18 +172,21 @@ def log_action(queue: str, message_id: str | None, attempt: int, action: Action)
                 queue,
                 message_id,
                 action.error,
-                tier,
+                next_tier,
+                extra=about,
             )
         else:
             log.info(
                 "%s: %s is being handled elsewhere; looking again after %s",
                 queue,
                 message_id,
-                tier,
+                next_tier,
+                extra=about,
             )
     elif isinstance(action, Park):
+        about = delivery_fields(queue, message_id, attempt, tier)
         if action.reason is ParkReason.MAX_ATTEMPTS:
-            log.warning("%s: %s failed on attempt %d: %s", queue, message_id, attempt, action.error)
+            _failed(queue, message_id, attempt, action.error, about)
         log.info(
             "%s: %s parked via %s (%s): %s",
             queue,
@@ -170,18 +194,33 @@ def log_action(queue: str, message_id: str | None, attempt: int, action: Action)
             action.outgoing.exchange,
             action.reason.value,
             action.error,
+            extra=about,
         )
     elif isinstance(action, BrokerRetry):
-        log.warning("%s: %s failed on attempt %d: %s", queue, message_id, attempt, action.error)
+        about = delivery_fields(queue, message_id, attempt, tier)
+        _failed(queue, message_id, attempt, action.error, about)
         log.info(
-            "%s: %s requeued; the broker retries it as attempt %d after %d ms",
+            "%s: %s requeued; the broker retries it as attempt %d after %s",
             queue,
             message_id,
             action.attempt,
-            action.delay_ms,
+            format_ms(action.delay_ms),
+            extra=about,
         )
     else:
-        log.warning("%s: %s requeued: %s", queue, message_id, action.error)
+        log.warning(
+            "%s: %s requeued: %s",
+            queue,
+            message_id,
+            action.error,
+            extra=delivery_fields(queue, message_id, attempt, tier),
+        )
+
+
+def _failed(
+    queue: str, message_id: str | None, attempt: int, error: object, about: dict[str, Any]
+) -> None:
+    log.warning("%s: %s failed on attempt %d: %s", queue, message_id, attempt, error, extra=about)
 
 
 def log_consumer_cancelled(

@@ -16,6 +16,7 @@ from rabbit_delay.consumer._app import App, Consumer, Prepared, Transport
 from rabbit_delay.consumer._context import clock_ms
 from rabbit_delay.consumer._decide import Outcome, Undecodable
 from rabbit_delay.consumer._delivery import Delivery, Program, Settled, delivery_program
+from rabbit_delay.consumer._health import Health, Phase
 from rabbit_delay.consumer._lease import LeaseBook
 from rabbit_delay.consumer._stats import (
     WorkerMetrics,
@@ -24,6 +25,7 @@ from rabbit_delay.consumer._stats import (
     log_consumer_cancelled,
     worker_identity,
 )
+from rabbit_delay.logs import delivery_fields
 from rabbit_delay.plan import check_broker, desired
 from rabbit_delay.urls import redact
 
@@ -118,7 +120,46 @@ class WorkerBase:
         self.leases = LeaseBook(app.lease_ms)
         self._seq = itertools.count(1)
         self._next_purge = time.monotonic() + PURGE_EVERY_S
+        self._phase = Phase.STARTING
+        self._beat: float | None = None  # monotonic time of the loop's last beat
         self._new_channel()
+
+    # -- health (consumer/_health.py) ----------------------------------------------------
+
+    def stop_requested(self) -> bool:
+        """Whether the worker was asked to stop (signal or stop())."""
+        raise NotImplementedError
+
+    def beat(self) -> None:
+        """The worker's loop is alive: called from the loop itself, at least every second
+        while it runs (the liveness rule in consumer/_health.py)."""
+        self._beat = time.monotonic()
+
+    def run_begins(self) -> None:
+        self._phase = Phase.RUNNING
+        self.beat()
+
+    def run_ends(self) -> None:
+        self._phase = Phase.STOPPED
+
+    def health(self) -> Health:
+        """Liveness and readiness now, for /healthz and /readyz. Safe from any thread:
+        it only reads (the consumer-tag map is replaced, never shared, per channel)."""
+        phase = self._phase
+        if phase is Phase.RUNNING and self.stop_requested():
+            phase = Phase.STOPPING
+        beat = self._beat
+        connected = self.started.is_set()
+        # the tags of a lost channel stay until the next one opens: they consume nothing
+        consuming = {c.queue for c in list(self._by_tag.values())} if connected else set()
+        return Health(
+            phase,
+            None if beat is None else max(time.monotonic() - beat, 0.0),
+            connected,
+            tuple(c.queue for c in self.consumers if c.queue in consuming),
+            tuple(c.queue for c in self.consumers),
+            redact(self.url),
+        )
 
     # -- the delivery program ---------------------------------------------------------
 
@@ -148,7 +189,7 @@ class WorkerBase:
         action = settled.action
         if action is None:
             return
-        log_action(settled.queue, settled.message_id, settled.attempt, action)
+        log_action(settled.queue, settled.message_id, settled.attempt, action, settled.tier)
         stats.record(action)
         if self.metrics is not None:
             self.metrics.handled(settled.queue, action)
@@ -161,6 +202,9 @@ class WorkerBase:
                 settled.message_id,
                 getattr(out, "exchange", "?"),
                 settled.publish_error,
+                extra=delivery_fields(
+                    settled.queue, settled.message_id, settled.attempt, settled.tier
+                ),
             )
 
     def queue_names(self) -> list[str]:

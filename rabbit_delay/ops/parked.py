@@ -13,13 +13,14 @@ import base64
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import date, datetime
+from datetime import UTC, date, datetime
 from decimal import Decimal
 from typing import Any
 
 from rabbit_delay import names as h
+from rabbit_delay.durations import iso, iso_ms
 from rabbit_delay.errors import ConfigError
-from rabbit_delay.replay import Stored, iso_ms
+from rabbit_delay.replay import Stored
 
 # `parked list` shows this many messages unless --limit says otherwise.
 DEFAULT_LIMIT = 50
@@ -171,7 +172,9 @@ def json_safe(value: object) -> Any:
             return bytes(value).decode("utf-8")
         except UnicodeDecodeError:
             return {"base64": base64.b64encode(bytes(value)).decode("ascii")}
-    if isinstance(value, datetime | date):
+    if isinstance(value, datetime):
+        return iso(value if value.tzinfo is not None else value.replace(tzinfo=UTC))
+    if isinstance(value, date):
         return value.isoformat()
     if isinstance(value, Decimal):
         return str(value)

@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
-from rabbit_delay.durations import format_ms
+from rabbit_delay.durations import format_ms, iso_ms
 from rabbit_delay.management import QueueStats
 from rabbit_delay.plan import desired
-from rabbit_delay.replay import iso_ms
 from rabbit_delay.topology import Topology
 
 
@@ -127,6 +126,7 @@ class QueueRow:
         return {
             "role": self.role.value,
             "name": self.name,
+            "ttl": format_ms(self.ttl_ms) if self.ttl_ms is not None else None,
             "ttl_ms": self.ttl_ms,
             "exists": self.exists,
             "ready": self.ready,

@@ -181,10 +181,14 @@ class Worker(WorkerBase):
         self._stop.set()
         self._wake()
 
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
+
     def run(self) -> None:
         """Consume until stopped. Raises BrokerUnavailable / MissingObjectError /
         DeclarationConflict when it cannot start."""
         restore = self._install_signals()
+        self.run_begins()
         try:
             self._start_threads()
             self._open()
@@ -214,6 +218,7 @@ class Worker(WorkerBase):
                 for t in self._threads:
                     t.join(timeout=1)
             restore()
+            self.run_ends()
             self.log_stopped()
 
     # -- connection thread ---------------------------------------------------------------
@@ -223,6 +228,7 @@ class Worker(WorkerBase):
         assert conn is not None
         assert channel is not None
         while not self._stop.is_set():
+            self.beat()
             conn.process_data_events(time_limit=POLL_S)
             if channel.is_closed:
                 # pika does not raise for a channel the broker closed (before 4.3: 406 on
@@ -318,12 +324,16 @@ class Worker(WorkerBase):
         delays = self.reconnect_delays()
         order = self.reconnect_order()
         while not self._stop.is_set():
+            self.beat()
             try:
                 self._open(order)
             except _RECONNECT_ERRORS as exc:
                 delay = next(delays)
                 self.log_reconnect_failed(str(exc) or repr(exc), delay)
-                self._stop.wait(delay)
+                deadline = time.monotonic() + delay
+                while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
+                    self.beat()  # waiting is what this loop does now: it is alive
+                    self._stop.wait(min(left, 1.0))
             else:
                 self.log_reconnected()
                 return
@@ -346,6 +356,7 @@ class Worker(WorkerBase):
             while self._inflight > 0 and time.monotonic() < deadline:
                 if self._force.is_set():
                     break
+                self.beat()
                 conn.process_data_events(time_limit=0.05)
                 self._drain()
         except _CONNECTION_ERRORS as exc:
@@ -363,6 +374,7 @@ class Worker(WorkerBase):
         this: their claims run out after the lease."""
         last_note = time.monotonic()
         while (self._running or self._results) and not self._force.is_set():
+            self.beat()
             time.sleep(0.05)
             self._drain()
             if time.monotonic() - last_note >= 10:

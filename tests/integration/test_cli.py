@@ -7,9 +7,11 @@ help screens and one password check run the installed console script.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -20,6 +22,7 @@ from conftest import message_count, wait_for
 from typer.testing import CliRunner, Result
 
 from rabbit_delay.cli._app import app, load_commands
+from rabbit_delay.durations import iso_ms
 from rabbit_delay.topology import Topology
 from rabbit_delay.urls import MANAGEMENT_URL_ENV, URL_ENV, ManagementEndpoint
 
@@ -204,7 +207,10 @@ def test_declare_conflict_exits_1_and_creates_nothing(
     assert "the topology wants 1000" in result.stderr
     assert "Nothing was changed" in result.stderr
     if "--json" in extra:
-        assert json.loads(result.stdout)["ok"] is False
+        document = json.loads(result.stdout)  # one document: the plan with the error
+        assert document["ok"] is False
+        assert document["kind"] == "DeclarationConflict"
+        assert "Nothing was changed" in document["error"]
     state = broker_state(management, topology.names.prefix + ".")
     assert state.names == {buffer}
     assert not state.exchanges
@@ -261,6 +267,10 @@ def test_publish_one_message_that_arrives(topo: tuple[Topology, Path], broker_ur
     assert sent["message_id"] == "cli-1"
     assert sent["tier"] == "1s"
     assert sent["exchange"] == topology.names.tier_exchange("1s")
+    # instants ISO-8601 UTC, durations as written; the exact figures beside them
+    assert sent["due_at"] == iso_ms(sent["due_at_ms"])
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", sent["due_at"])
+    assert (sent["delay"], sent["delay_ms"]) == ("1s", 1000)
 
     by_stdin = cli(
         "publish",
@@ -274,7 +284,13 @@ def test_publish_one_message_that_arrives(topo: tuple[Topology, Path], broker_ur
         stdin="[1, 2]",
     )
     assert by_stdin.exit_code == 0, by_stdin.stderr
-    assert "published" in by_stdin.stdout
+    shown = re.fullmatch(
+        r"published (\S+) via (\S+) \(1s\), due at (\S+) \(in 1s\)\n", by_stdin.stdout
+    )
+    assert shown is not None, by_stdin.stdout  # not "due at ms 1796150495995"
+    due = datetime.fromisoformat(shown[3])
+    assert shown[3].endswith("Z")
+    assert abs(due - datetime.now(UTC)) < timedelta(seconds=30)
 
     connection = pika.BlockingConnection(pika.URLParameters(broker_url))
     try:

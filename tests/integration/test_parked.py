@@ -91,8 +91,8 @@ def test_list_twice_then_consume_nothing_lost_nothing_reordered(lot: Ops) -> Non
     )
     assert (m["attempts"], m["first_failure"], m["last_failure"]) == (
         3,
-        "2023-11-14T22:13:20.007+00:00",
-        "2023-11-14T22:14:20.007+00:00",
+        "2023-11-14T22:13:20.007Z",
+        "2023-11-14T22:14:20.007Z",
     )
     # Pages: the default page, one in the middle, the last one.
     default = listed(lot, "orders.cancel")

@@ -58,9 +58,9 @@ def test_a_listed_item_reads_the_parking_headers_through_the_summary() -> None:
         error_type="ValueError",
         error_message="boom 3",
         attempts=4,
-        first_failure="2027-01-15T08:00:00.003+00:00",
-        last_failure="2027-01-15T08:01:00.003+00:00",
-        parked_at="2027-01-15T08:01:00.003+00:00",
+        first_failure="2027-01-15T08:00:00.003Z",
+        last_failure="2027-01-15T08:01:00.003Z",
+        parked_at="2027-01-15T08:01:00.003Z",
         original_queue="orders",
         target="shop.v1.q.orders",
     )
@@ -73,7 +73,7 @@ def test_a_message_the_broker_dead_lettered() -> None:
     item = ParkedItem.of(0, msg)
     assert (item.reason, item.parked_at, item.error_type) == (
         "delivery_limit",
-        "2027-01-02T03:04:05.000+00:00",
+        "2027-01-02T03:04:05.000Z",
         None,
     )
     assert item.first_failure is None
@@ -130,7 +130,7 @@ def test_headers_as_json() -> None:
         "flag": True,
     }
     assert json_safe(value) == {
-        "x-death": [{"time": "2027-01-02T03:04:05+00:00", "reason": "expired", "count": 1}],
+        "x-death": [{"time": "2027-01-02T03:04:05.000Z", "reason": "expired", "count": 1}],
         "raw": {"base64": "/w=="},
         "price": "1.50",
         "flag": True,
@@ -147,7 +147,7 @@ def test_detail_and_find() -> None:
     assert d.traceback.endswith("ValueError: boom")
     assert d.headers["tenant"] == "acme"
     assert d.body.encoding == "json"
-    assert d.timestamp == "2027-01-15T08:00:00.000+00:00"
+    assert d.timestamp == "2027-01-15T08:00:00.000Z"
     data = d.as_json()
     assert (data["message_id"], data["exchange"], data["body"]["encoding"]) == (
         "m0",

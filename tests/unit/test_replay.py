@@ -166,15 +166,15 @@ def test_summary_of_a_worker_parked_message() -> None:
         "error_message": "boom",
         "attempts": 3,
         "park_reason": "max_attempts",
-        "parked_at": datetime.fromtimestamp((NOW - 40_000) / 1000, UTC).isoformat(
-            timespec="milliseconds"
-        ),
-        "first_failure": datetime.fromtimestamp((NOW - 50_000) / 1000, UTC).isoformat(
-            timespec="milliseconds"
-        ),
-        "last_failure": datetime.fromtimestamp((NOW - 40_000) / 1000, UTC).isoformat(
-            timespec="milliseconds"
-        ),
+        "parked_at": datetime.fromtimestamp((NOW - 40_000) / 1000, UTC)
+        .isoformat(timespec="milliseconds")
+        .replace("+00:00", "Z"),  # ISO-8601 UTC, as every instant the CLI shows
+        "first_failure": datetime.fromtimestamp((NOW - 50_000) / 1000, UTC)
+        .isoformat(timespec="milliseconds")
+        .replace("+00:00", "Z"),
+        "last_failure": datetime.fromtimestamp((NOW - 40_000) / 1000, UTC)
+        .isoformat(timespec="milliseconds")
+        .replace("+00:00", "Z"),
         "original_queue": "orders.cancel",
         "target": "shop.v1.q.orders.cancel",
     }
@@ -195,7 +195,7 @@ def test_summary_of_a_broker_dead_lettered_message() -> None:
     summary = msg.summary()
     assert summary["attempts"] == 2
     assert summary["park_reason"] == "delivery_limit"
-    assert summary["parked_at"] == "2025-01-02T03:04:05.000+00:00"
+    assert summary["parked_at"] == "2025-01-02T03:04:05.000Z"
     assert summary["error_type"] is None
 
 
