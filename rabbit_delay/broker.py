@@ -17,6 +17,8 @@ Facts (checked on 3.10.8, 4.0.5 and 4.3.6; see shared/RABBITMQ_NOTES.md):
     quorum delayed retry (x-delayed-retry-*)    no     no        yes
     unknown exchange type closes the            conn.  channel   channel
     quorum consumer over consumer_timeout       channel closed   basic.cancel (4.3)
+    peeking a quorum tier buffer's head         late   early     free
+      (basic.get + nack requeue)
 """
 
 from __future__ import annotations
@@ -102,6 +104,32 @@ class BrokerInfo:
         (past it the broker dead-letters the message, reason delivery_limit), none
         before. When unknown, assume the limit: the safe side."""
         return None if self.version is not None and not self.at_least(4) else 20
+
+    def quorum_buffer_peek_risk(self) -> str | None:
+        """What peeking the head of a quorum tier buffer or cascade level (basic.get, then
+        basic.nack with requeue) would cost on this broker; None when nothing.
+
+        Measured: 3.10.8 puts the requeued head of a queue with a TTL behind the others
+        (it is then dead-lettered late, when it reaches the head again); 4.0 made 20 the
+        default delivery limit, which those queues (no consumers) do not override, and
+        counts every requeue (past it, the message is dead-lettered to its destination
+        EARLY); 4.3.6 keeps the head in place and does not count a nack.
+        """
+        if self.at_least(4, 3):
+            return None
+        if self.at_least(4, 0):
+            return (
+                "a peek counts towards the buffer's default delivery limit (20) and could "
+                "deliver its oldest message early"
+            )
+        if self.version is not None:
+            return "a peek puts the buffer's oldest message back behind the others (late)"
+        return "the broker did not say its version"
+
+    @property
+    def peeks_quorum_buffers_freely(self) -> bool:
+        """Whether the head of a quorum buffer may be peeked (`quorum_buffer_peek_risk`)."""
+        return self.quorum_buffer_peek_risk is None
 
     @property
     def supports_plugin(self) -> bool:

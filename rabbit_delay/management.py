@@ -1,7 +1,7 @@
 """Read existing objects through the management HTTP API (standard library only).
 
 Used by `plan` and `declare` to compare arguments without touching the broker's
-state, and by `status` and `replay --dry-run`. The API is used only once it is shown to
+state, and by `status` and `delete`. The API is used only once it is shown to
 serve the same broker as the AMQP connection (`checked`): its cluster name equals the
 one the broker sent in `connection.start`, and it knows the vhost. Otherwise, or when it
 does not answer, callers fall back to AMQP (passive declarations) and say why.
@@ -41,7 +41,7 @@ from rabbit_delay.errors import AccessRefused, ManagementUnavailable, broker_ref
 from rabbit_delay.plan import ExistingObject, Observed
 from rabbit_delay.tls import TLSOptions, describe_tls_error
 from rabbit_delay.topology import Topology
-from rabbit_delay.urls import ManagementEndpoint, redact
+from rabbit_delay.urls import ManagementEndpoint, management_endpoints, redact
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +230,16 @@ def checked(endpoints: Sequence[ManagementEndpoint], broker: BrokerInfo) -> Acce
     return Access(None, note)
 
 
+def access_for(
+    broker: BrokerInfo, url: str, management_url: str | None, no_management: bool
+) -> Access:
+    """The management API for the broker at `url` (an explicit `management_url`, else
+    the addresses derived from `url`), if it provably serves `broker`; none when
+    `no_management`. Raises AccessRefused as `checked` does."""
+    endpoints = [] if no_management else management_endpoints(url, management_url)
+    return checked(endpoints, broker)
+
+
 def read_observed(endpoint: ManagementEndpoint, prefix: str) -> Observed:
     """Exchanges, queues and bindings whose names start with `prefix`.
 
@@ -283,6 +293,10 @@ class QueueStats:
     members: tuple[str, ...] | None = None
     online: tuple[str, ...] | None = None
     dead_lettering: int | None = None
+    # The AMQP `timestamp` (seconds) of the message at the head, which a classic queue
+    # reports (`head_message_timestamp`) when that message has one; quorum queues do not
+    # (3.10 to 4.3). None when not told.
+    head_timestamp: int | None = None
 
 
 def _count(value: object) -> int | None:
@@ -311,6 +325,7 @@ def queue_stats(row: dict[str, Any]) -> QueueStats:
         _nodes(row.get("members")) if quorum else None,
         _nodes(row.get("online")) if quorum else None,
         _count(row.get("messages_dlx")) if quorum else None,
+        _count(row.get("head_message_timestamp")),
     )
 
 
@@ -322,7 +337,7 @@ def read_queue_stats(endpoint: ManagementEndpoint, prefix: str) -> dict[str, Que
     """
     columns = (
         "name,type,messages_ready,messages_unacknowledged,consumers,leader,members,online,"
-        "messages_dlx"
+        "messages_dlx,head_message_timestamp"
     )
     queues = get_json(endpoint, f"queues/{endpoint.vhost_quoted}?columns={columns}")
     if not isinstance(queues, list):
@@ -334,9 +349,54 @@ def read_queue_stats(endpoint: ManagementEndpoint, prefix: str) -> dict[str, Que
     }
 
 
+def read_exchange_names(endpoint: ManagementEndpoint, prefix: str) -> set[str]:
+    """The names of the vhost's exchanges that start with `prefix`.
+
+    Raises ManagementUnavailable when the API cannot be used.
+    """
+    exchanges = get_json(endpoint, f"exchanges/{endpoint.vhost_quoted}?columns=name")
+    if not isinstance(exchanges, list):
+        raise ManagementUnavailable(f"{endpoint.base}: unexpected answer")
+    return {
+        str(e["name"])
+        for e in exchanges
+        if isinstance(e, dict) and str(e.get("name", "")).startswith(prefix)
+    }
+
+
+def delayed_messages(row: object) -> int | None:
+    """How many messages an x-delayed-message exchange holds, from its /api/exchanges
+    entry (the plugin reports `messages_delayed`); None when the answer has no count."""
+    return _count(row.get("messages_delayed")) if isinstance(row, dict) else None
+
+
+def read_delayed_messages(endpoint: ManagementEndpoint, exchange: str) -> int | None:
+    """Messages waiting in the delayed-message plugin's store for `exchange` (None when
+    the API does not report them).
+
+    Raises ManagementUnavailable when the API cannot be used or has no such exchange.
+    """
+    path = f"exchanges/{endpoint.vhost_quoted}/{quote(exchange, safe='')}"
+    return delayed_messages(get_json(endpoint, path, doing=f"reading exchange {exchange!r}"))
+
+
+def read_broker_version(endpoint: ManagementEndpoint) -> str | None:
+    """The RabbitMQ version the API reports (/api/overview), None when it does not say.
+
+    Raises ManagementUnavailable when the API cannot be used.
+    """
+    overview = get_json(endpoint, "overview")
+    version = overview.get("rabbitmq_version") if isinstance(overview, dict) else None
+    return version if isinstance(version, str) and version else None
+
+
 def peek_messages(endpoint: ManagementEndpoint, queue: str, count: int) -> list[dict[str, Any]]:
     """Up to `count` messages from the head of `queue`, put back at once (the API's
     `ackmode=ack_requeue_true`); payloads truncated to 1 KiB.
+
+    Not used by rabbit-delay to peek: on a quorum queue it puts more than 32 messages
+    back out of order, and any number behind messages requeued before
+    (`sync.replay.REQUEUE_BATCH`); `sync.replay.peek` keeps the order.
 
     Each get-and-requeue is a redelivery for the broker: on RabbitMQ 4.0-4.2 it counts
     towards a quorum queue's delivery limit. Raises ManagementUnavailable, or

@@ -750,7 +750,7 @@ def plan_program(
         present[(spec.kind, spec.name)] = bool((yield Exists(spec)))
     routing = yield from _verify_all_routing(want, present)
     plan = plan_from_presence(want, present)
-    extra = yield from _probe_retired_shards(want)
+    extra = yield from probe_retired_shards(want)
     return Plan(
         (
             *(
@@ -764,7 +764,7 @@ def plan_program(
     )
 
 
-def _probe_retired_shards(want: Desired) -> Generator[Operation, object, tuple[PlanItem, ...]]:
+def probe_retired_shards(want: Desired) -> Generator[Operation, object, tuple[PlanItem, ...]]:
     """Without a listing (no management API), look for each tier's shards past its count
     with passive declares: shard `count`, then on while they exist (a lowered count
     leaves a contiguous run). One probe per tier when there are none."""

@@ -138,11 +138,33 @@ class Stored:
     @property
     def parked_at_ms(self) -> int | None:
         """When the worker parked it, else when the broker dead-lettered it."""
-        parked = _int(self.headers.get(h.H_LAST_FAILURE))
+        parked = self.last_failure_ms
         if parked is not None:
             return parked
         death = self.first_death
         return None if death is None else _epoch_ms(death.get("time"))
+
+    @property
+    def first_failure_ms(self) -> int | None:
+        """When its first attempt failed (the worker's rd-first-failure-at)."""
+        return _int(self.headers.get(h.H_FIRST_FAILURE))
+
+    @property
+    def last_failure_ms(self) -> int | None:
+        """When its last attempt failed (the worker's rd-last-failure-at)."""
+        return _int(self.headers.get(h.H_LAST_FAILURE))
+
+    @property
+    def queued_at_ms(self) -> int | None:
+        """When it entered the queue it was read from, as far as the message tells: the
+        broker's most recent dead-lettering (a cascade level receives a message from the
+        level above), else its AMQP `timestamp` (set by every rabbit-delay publish, in
+        whole seconds, so up to 1 s early). None when neither says."""
+        death = self.first_death
+        dead_lettered = None if death is None else _epoch_ms(death.get("time"))
+        if dead_lettered is not None:
+            return dead_lettered
+        return None if self.timestamp is None else self.timestamp * 1000
 
     @property
     def park_reason(self) -> str | None:
@@ -162,6 +184,8 @@ class Stored:
             "attempts": self.attempt,
             "park_reason": self.park_reason,
             "parked_at": iso_ms(self.parked_at_ms),
+            "first_failure": iso_ms(self.first_failure_ms),
+            "last_failure": iso_ms(self.last_failure_ms),
             "original_queue": self.header(h.H_ORIGINAL_QUEUE),
             "target": self.target or self.routing_key or None,
         }

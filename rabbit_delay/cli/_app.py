@@ -255,4 +255,13 @@ def main() -> None:
 
 def load_commands() -> None:
     """Import the command modules (each registers its commands on `app`)."""
-    from rabbit_delay.cli import commands, ops, reconcile, relay, transfer, worker  # noqa: F401
+    from rabbit_delay.cli import (  # noqa: F401
+        commands,
+        delete,
+        ops,
+        parked,
+        reconcile,
+        relay,
+        transfer,
+        worker,
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import timedelta
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -28,13 +28,10 @@ from rabbit_delay.cli._app import (
 )
 from rabbit_delay.durations import format_ms, iso_ms, parse_ms
 from rabbit_delay.errors import DeclarationConflict, DurationError
-from rabbit_delay.management import Access, checked, observe
+from rabbit_delay.management import access_for, observe
 from rabbit_delay.names import H_DELAY_MS, H_DUE_AT, H_TIER
 from rabbit_delay.plan import Action, Plan, PlanItem
-from rabbit_delay.urls import management_endpoints, redact
-
-if TYPE_CHECKING:
-    from rabbit_delay.broker import BrokerInfo
+from rabbit_delay.urls import redact
 
 MgmtOpt = Annotated[
     str | None,
@@ -67,12 +64,8 @@ _DONE_WORDS = {
 }
 
 
-def management_access(
-    broker: BrokerInfo, url: str, management_url: str | None, no_management: bool
-) -> Access:
-    """The management API for the broker at `url`, if it provably serves it."""
-    endpoints = [] if no_management else management_endpoints(url, management_url)
-    return checked(endpoints, broker)
+# The one rule of which management API a command may use (rabbit_delay.management).
+management_access = access_for
 
 
 def _items_json(

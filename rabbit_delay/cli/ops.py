@@ -1,15 +1,23 @@
-"""status and replay: what is waiting where, and moving parked messages back."""
+"""status and replay: what is waiting where, and moving parked messages back.
+
+What the rows mean and what needs attention is decided in rabbit_delay.ops.status;
+this module reads (rabbit_delay.sync.status) and renders."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from enum import StrEnum
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich.console import Group, RenderableType
+from rich.live import Live
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from rabbit_delay.cli._app import (
     EXIT_ERROR,
@@ -27,209 +35,31 @@ from rabbit_delay.cli._app import (
     resolve_topology,
     url_for,
 )
-from rabbit_delay.cli._unreachable import describe_unavailable
-from rabbit_delay.cli.commands import MgmtOpt, NoMgmtOpt, management_access
-from rabbit_delay.durations import format_ms
-from rabbit_delay.errors import BrokerUnavailable, ManagementUnavailable
-from rabbit_delay.management import QueueStats, read_queue_stats
-from rabbit_delay.plan import desired
-from rabbit_delay.topology import Topology
-from rabbit_delay.urls import ManagementEndpoint, management_endpoint, redact
+from rabbit_delay.cli.commands import MgmtOpt, NoMgmtOpt
+from rabbit_delay.durations import format_ms, iso_ms, parse_positive_ms
+from rabbit_delay.errors import RabbitDelayError
+from rabbit_delay.message import now_ms
+from rabbit_delay.ops.status import (
+    QueueRow,
+    Status,
+    oldest_cell,
+    placement_cells,
+    shows_placement,
+)
+from rabbit_delay.urls import redact
 
 if TYPE_CHECKING:
-    from rabbit_delay.broker import BrokerInfo
-    from rabbit_delay.sync.replay import PassiveCounts, Preview, ReplayReport
+    from rabbit_delay.sync.replay import Moved, Preview, ReplayReport
 
-# A parking lot or the catch-all holds messages, or a delay buffer has consumers.
+# Something needs a human: a missing object, messages in a parking lot or the catch-all, a
+# consumer on a delay buffer, a stuck buffer, a quorum queue without a majority.
 EXIT_ATTENTION = 3
-
-
-class Role(StrEnum):
-    BUFFER = "tier buffer"
-    CASCADE = "cascade level"
-    BUSINESS = "business"
-    PARKING = "parking lot"
-    CATCH_ALL = "catch-all"
-
-
-_ROLE_OF_KIND = {
-    "delay": Role.BUFFER,
-    "cascade": Role.CASCADE,
-    "q": Role.BUSINESS,
-    "parking": Role.PARKING,
-    "unroutable": Role.CATCH_ALL,
-}
-_ORDER = list(Role)
-# Queues whose messages wait for a human.
-_HUMAN = (Role.PARKING, Role.CATCH_ALL)
-# Queues that must never have consumers: they hold messages until their TTL expires.
-_BUFFERS = (Role.BUFFER, Role.CASCADE)
-
-
-@dataclass
-class QueueRow:
-    role: Role
-    name: str
-    ttl_ms: int | None
-    exists: bool
-    ready: int | None
-    unacked: int | None
-    consumers: int | None
-    # Where a quorum queue's replicas are, as the management API says (None: not told).
-    leader: str | None = None
-    members: tuple[str, ...] | None = None
-    online: tuple[str, ...] | None = None
-    # Dead-lettered by this quorum queue, not yet confirmed by the target (management API).
-    dead_lettering: int | None = None
-    notes: list[str] = field(default_factory=list)
-    attention: bool = False
-
-    @property
-    def offline(self) -> tuple[str, ...]:
-        """Members the API does not list as online (none when it does not say)."""
-        if self.members is None or self.online is None:
-            return ()
-        return tuple(m for m in self.members if m not in self.online)
-
-    @property
-    def majority_lost(self) -> bool:
-        """A quorum queue with fewer than a majority of its members online: it accepts,
-        dead-letters and delivers nothing until enough of them are back."""
-        if not self.members or self.online is None:
-            return False
-        return len(self.members) - len(self.offline) < len(self.members) // 2 + 1
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "role": self.role.value,
-            "name": self.name,
-            "ttl": format_ms(self.ttl_ms) if self.ttl_ms is not None else None,
-            "ttl_ms": self.ttl_ms,
-            "exists": self.exists,
-            "ready": self.ready,
-            "unacked": self.unacked,
-            "consumers": self.consumers,
-            "leader": self.leader,
-            "members": list(self.members) if self.members is not None else None,
-            "online": list(self.online) if self.online is not None else None,
-            "dead_lettering": self.dead_lettering,
-            "attention": self.attention,
-            "notes": self.notes,
-        }
-
-
-def status_rows(
-    topology: Topology,
-    live: dict[str, PassiveCounts | None] | None,
-    api: dict[str, QueueStats] | None,
-) -> list[QueueRow]:
-    """One row per queue of the topology, flagged. Pure: counts are passed in.
-
-    `live` (passive declares) gives ready messages and consumers as they are now; `api`
-    (management API, sampled) adds unacked messages and each quorum queue's leader,
-    members and online members, and stands in when `live` is None.
-    """
-    rows: list[QueueRow] = []
-    for spec in desired(topology).queues:
-        kind, _ = topology.names.parse(spec.name)
-        role = _ROLE_OF_KIND[kind]
-        ttl = spec.arguments.get("x-message-ttl")
-        stats = api.get(spec.name) if api is not None else None
-        if live is not None:
-            counts = live.get(spec.name)
-            exists = counts is not None
-            ready = counts.ready if counts is not None else None
-            consumers = counts.consumers if counts is not None else None
-        else:
-            exists = stats is not None
-            ready = stats.ready if stats is not None else None
-            consumers = stats.consumers if stats is not None else None
-        row = QueueRow(
-            role,
-            spec.name,
-            ttl if isinstance(ttl, int) else None,
-            exists,
-            ready,
-            stats.unacked if stats is not None else None,
-            consumers,
-            stats.leader if stats is not None else None,
-            stats.members if stats is not None else None,
-            stats.online if stats is not None else None,
-            stats.dead_lettering if stats is not None else None,
-        )
-        _flag(row)
-        rows.append(row)
-    rows.sort(key=lambda r: _ORDER.index(r.role))  # stable: tiers keep the topology's order
-    return rows
-
-
-def _flag(row: QueueRow) -> None:
-    if not row.exists:
-        row.notes.append("missing: run `rabbit-delay declare`")
-        return
-    held = (row.ready or 0) + (row.unacked or 0)
-    if row.role in _HUMAN and held:
-        row.attention = True
-        row.notes.append(f"{held} message(s) need a human")
-    if row.role in _BUFFERS and row.consumers:
-        row.attention = True
-        row.notes.append(f"BUG: {row.consumers} consumer(s) on a delay buffer")
-    if row.dead_lettering:
-        row.notes.append(
-            f"{row.dead_lettering} dead-lettered, not yet confirmed by their destination"
-        )
-    if row.majority_lost:
-        row.attention = True
-        online = len(row.members or ()) - len(row.offline)
-        row.notes.append(
-            f"no majority: {online} of {len(row.members or ())} members online, "
-            f"offline: {', '.join(row.offline)}"
-        )
-    elif row.offline:
-        row.notes.append(f"offline: {', '.join(row.offline)}")
-    elif row.members and row.leader is None:
-        row.notes.append("no leader reported")
-
-
-def _hint(topology: Topology, row: QueueRow) -> str:
-    if row.majority_lost:
-        return (
-            "a quorum queue needs a majority of its members online: start the stopped "
-            "node(s) (`rabbitmqctl cluster_status` lists them); no message is lost meanwhile"
-        )
-    if row.role in _BUFFERS:
-        return (
-            "a consumer on a delay buffer takes messages before they are due; find it with "
-            "`rabbitmqctl list_consumers` and stop it"
-        )
-    if row.role is Role.CATCH_ALL:
-        return "due messages that matched no queue; see `rabbit-delay replay --unroutable`"
-    _, queue = topology.names.parse(row.name)
-    return f"parked messages; see `rabbit-delay replay {queue} --dry-run`"
+# `status --watch` refreshes this often unless --interval says otherwise.
+WATCH_INTERVAL = "2s"
 
 
 def _cell(value: int | None) -> str:
     return "?" if value is None else str(value)
-
-
-def shows_placement(rows: list[QueueRow]) -> bool:
-    """Whether the table gets the leader and members columns: only when the management
-    API names more than one node (a cluster), so a single node's table stays as it was."""
-    nodes = {row.leader for row in rows if row.leader is not None}
-    for row in rows:
-        nodes.update(row.members or ())
-    return len(nodes) > 1
-
-
-def placement_cells(row: QueueRow) -> tuple[str, str]:
-    """The leader and members cells of a row: `rabbit@b`, `2/3 online`; `?` where the
-    API did not say (a classic queue, or no API), `none` for a queue without a leader."""
-    if row.members is None:
-        return ("?" if row.leader is None else row.leader), "?"
-    leader = row.leader if row.leader is not None else "none"
-    if row.online is None:
-        return leader, str(len(row.members))
-    return leader, f"{len(row.members) - len(row.offline)}/{len(row.members)} online"
 
 
 def _status_table(title: str, rows: list[QueueRow]) -> Table:
@@ -241,12 +71,13 @@ def _status_table(title: str, rows: list[QueueRow]) -> Table:
     table.add_column("ready", justify="right")
     table.add_column("unacked", justify="right")
     table.add_column("consumers", justify="right")
+    table.add_column("oldest", justify="right")
     if placement:
         table.add_column("leader", overflow="fold")
         table.add_column("members", justify="right")
     table.add_column("notes", overflow="fold")
     for row in rows:
-        style = "bold red" if row.attention else ("yellow" if not row.exists else "")
+        style = "bold red" if row.attention else ""
         notes = escape("; ".join(row.notes))
         cells = [
             row.role.value,
@@ -255,12 +86,55 @@ def _status_table(title: str, rows: list[QueueRow]) -> Table:
             _cell(row.ready),
             _cell(row.unacked),
             _cell(row.consumers),
+            oldest_cell(row),
         ]
         if placement:
             cells += [escape(cell) for cell in placement_cells(row)]
         cells.append(f"[{style}]{notes}[/]" if style and notes else notes)
         table.add_row(*cells, style=None)
     return table
+
+
+def _title(status: Status) -> str:
+    if status.broker_description is not None:
+        described = f" ({status.broker_description})"
+    elif status.broker_version is not None:
+        described = f" (RabbitMQ {status.broker_version}, from the management API)"
+    else:
+        described = ""
+    return f"status of {status.namespace} on {redact(status.broker)}{described}"
+
+
+def render_status(status: Status) -> Group:
+    """The table and the lines under it, as `status` prints them."""
+    parts: list[RenderableType] = [_status_table(escape(_title(status)), status.rows)]
+    parts += [Text(redact(note)) for note in status.notes]
+    if status.plugin is not None:
+        held = _cell(status.plugin.delayed)
+        parts.append(Text(f"plugin store ({status.plugin.exchange}): {held} message(s) delayed"))
+    items = status.attention_items()
+    for item in items:
+        line = redact(f"{item.subject}: {item.hint}")
+        parts.append(Text.assemble(("needs attention: ", "bold red"), line))
+    if not items:
+        parts.append(Text("nothing needs attention", style="green"))
+    return Group(*parts)
+
+
+def _watch(read: Callable[[], Status], interval_ms: int) -> None:
+    """Re-read and re-render until Ctrl-C; a broker that stops answering is shown in
+    place (and the next refresh tries again)."""
+    every = format_ms(interval_ms)
+    with Live(console=out, auto_refresh=False) as live:
+        while True:
+            try:
+                view: RenderableType = render_status(read())
+            except RabbitDelayError as exc:
+                view = Text.assemble(("error: ", "bold red"), redact(str(exc)))
+            when = iso_ms(now_ms())
+            footer = Text(f"refreshed {when}, every {every}; Ctrl-C to stop", style="dim")
+            live.update(Group(view, footer), refresh=True)
+            time.sleep(interval_ms / 1000)
 
 
 @app.command()
@@ -274,96 +148,65 @@ def status(
         bool,
         typer.Option(
             "--check",
-            help=f"Exit {EXIT_ATTENTION} when a parking lot or the catch-all holds messages, "
-            "a delay buffer has consumers, or a quorum queue has lost the majority of its "
-            "members (for monitoring scripts).",
+            help=f"Exit {EXIT_ATTENTION} when something needs a human: an object of the "
+            "topology is missing, a parking lot or the catch-all holds messages, a delay "
+            "buffer has consumers or is stuck, or a quorum queue has lost the majority of "
+            "its members (for monitoring scripts).",
         ),
     ] = False,
+    watch: Annotated[
+        bool,
+        typer.Option("--watch", "-w", help="Refresh the table until Ctrl-C (not with --json)."),
+    ] = False,
+    interval: Annotated[
+        str | None,
+        typer.Option(
+            "--interval",
+            help=f"How often --watch refreshes (a duration, default {WATCH_INTERVAL}).",
+            show_default=False,
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Every queue of the topology with its messages (ready / unacked) and consumers.
+    """Every queue of the topology with its messages (ready / unacked) and consumers,
+    the age of each buffer's oldest message, and what needs attention.
 
-    Ready messages and consumers: live, from passive declares.
-    Unacked messages: from the management API, sampled every few seconds ('?' without it).
-    In a cluster, each quorum queue's leader and members online (management API).
+    Ready messages and consumers: live, from passive declares; so is whether each
+    exchange exists. Unacked messages: from the management API, sampled every few
+    seconds ('?' without it). A buffer's oldest message: peeked (basic.get, requeue)
+    where that is safe (not on RabbitMQ 4.0-4.2 quorum queues). In a cluster, each
+    quorum queue's leader and members online (management API).
     Exit code 0; 3 with --check when something needs a human; 1 on error.
     """
-    from rabbit_delay.sync import broker_info
-    from rabbit_delay.sync._connection import close_quietly, connect_first
-    from rabbit_delay.sync.replay import passive_counts
+    from rabbit_delay.sync.status import read_status
 
+    if watch and as_json:
+        fail("--watch redraws a table for people; --json is for scripts: give one of them")
+    if watch and check:
+        fail("--watch runs until Ctrl-C; --check is for scripts that read the exit code")
+    if interval is not None and not watch:
+        fail("--interval applies to --watch only")
     with errors_to_exit():
+        every = parse_positive_ms(interval or WATCH_INTERVAL)
         topology = resolve_topology(file, topology_file)
         urls = url_for(url)
-        broker = urls[0]  # the node shown until one answers
-        names = [spec.name for spec in desired(topology).queues]
-        live: dict[str, PassiveCounts | None] | None = None
-        amqp_error: BrokerUnavailable | None = None
-        info: BrokerInfo | None = None
-        endpoint: ManagementEndpoint | None = None
-        try:
-            connection, broker = connect_first(urls, name="rabbit-delay status")
-        except BrokerUnavailable as exc:
-            amqp_error = exc
-            # Nothing to compare the API with: use it, and say it is unverified.
-            if not no_management:
-                endpoint = management_endpoint(broker, management_url)
-            api_note = f"{endpoint.base} (not verified: no AMQP connection)" if endpoint else ""
-        else:
-            try:
-                info = broker_info(connection)
-                live = passive_counts(connection, names)
-            finally:
-                close_quietly(connection)
-            access = management_access(info, broker, management_url, no_management)
-            endpoint, api_note = access.endpoint, access.note
-        api: dict[str, QueueStats] | None = None
-        api_error = api_note or "not used (--no-management)"
-        if endpoint is not None:
-            try:
-                api = read_queue_stats(endpoint, topology.names.prefix + ".")
-            except ManagementUnavailable as exc:
-                api_error = f"not reachable ({exc})"
-        if live is None and api is None:
-            assert amqp_error is not None
-            fail(
-                f"{describe_unavailable(amqp_error)}; management API {api_error}",
-                kind=type(amqp_error).__name__,
+
+        def read() -> Status:
+            return read_status(
+                topology, urls, management_url=management_url, no_management=no_management
             )
-    rows = status_rows(topology, live, api)
-    attention = any(r.attention for r in rows)
-    sources = {
-        "ready_and_consumers": "amqp passive declare" if live is not None else "management API",
-        "unacked": "management API" if api is not None else None,
-        "placement": "management API" if api is not None else None,
-    }
+
+        if watch:
+            try:
+                _watch(read, every)
+            except KeyboardInterrupt:
+                raise typer.Exit(EXIT_OK) from None
+        found = read()
     if as_json:
-        print_json(
-            {
-                "namespace": topology.names.prefix,
-                "broker": redact(broker),
-                "broker_version": info.version_text if info is not None else None,
-                "sources": sources,
-                "management_api": "ok" if api is not None else api_error,
-                "attention": attention,
-                "queues": [r.as_json() for r in rows],
-            }
-        )
+        print_json(found.as_json())
     else:
-        described = f" ({info.describe()})" if info is not None else ""
-        title = f"status of {topology.names.prefix} on {redact(broker)}{described}"
-        out.print(_status_table(escape(title), rows))
-        if api is None:
-            out.print(escape(f"management API {api_error}: unacked messages unknown ('?')"))
-        if live is None:
-            out.print(escape(f"no AMQP connection ({amqp_error}): counts from the management API"))
-        for row in rows:
-            if row.attention:
-                hint = escape(f"{row.name}: {_hint(topology, row)}")
-                out.print(f"[bold red]needs attention:[/] {hint}")
-        if not attention:
-            out.print("[green]nothing needs attention[/]")
-    raise typer.Exit(EXIT_ATTENTION if check and attention else EXIT_OK)
+        out.print(render_status(found))
+    raise typer.Exit(EXIT_ATTENTION if check and found.attention else EXIT_OK)
 
 
 # -- replay -----------------------------------------------------------------------------
@@ -418,6 +261,50 @@ def _report_json(report: ReplayReport) -> dict[str, Any]:
     }
 
 
+# A replay of fewer messages than this is over before a bar would tell anything.
+PROGRESS_MIN = 50
+
+
+def shows_progress(is_terminal: bool, wanted: bool, total: int) -> bool:
+    """A progress bar for people watching a long run: on a terminal, not under --json,
+    for at least PROGRESS_MIN messages."""
+    return is_terminal and wanted and total >= PROGRESS_MIN
+
+
+@contextmanager
+def _progress(
+    source: str, held: Callable[[], int], limit: int | None, *, wanted: bool
+) -> Iterator[Callable[[Moved], None] | None]:
+    """A callback advancing a rich progress bar (on stdout, gone when done) over the
+    messages a replay from `source` moves at most (`held()` counts them, asked only
+    when a bar may be shown); None when no bar is shown."""
+    if not (wanted and out.is_terminal):
+        yield None
+        return
+    total = held() if limit is None else min(limit, held())
+    if not shows_progress(out.is_terminal, wanted, total):
+        yield None
+        return
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=out, transient=True) as bar:
+        task = bar.add_task(escape(f"replaying from {source}"), total=total)
+        yield lambda _moved: bar.advance(task)
+
+
+# `replay --dry-run` used to peek through the management API, which puts messages back
+# out of order (sync.replay.REQUEUE_BATCH); it reads over AMQP now. The options stay
+# accepted, hidden and without effect, so scripts that pass them keep working.
+_UnusedMgmtOpt = Annotated[
+    str | None, typer.Option("--management-url", hidden=True, show_default=False)
+]
+_UnusedNoMgmtOpt = Annotated[bool, typer.Option("--no-management", hidden=True)]
+
+
 @app.command()
 def replay(
     queue: Annotated[
@@ -453,8 +340,8 @@ def replay(
         ),
     ] = False,
     url: UrlOpt = None,
-    management_url: MgmtOpt = None,
-    no_management: NoMgmtOpt = False,
+    management_url: _UnusedMgmtOpt = None,
+    no_management: _UnusedNoMgmtOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Move parked messages back to their business queue as first attempts (rd-attempt 1).
@@ -462,9 +349,10 @@ def replay(
     Each copy is confirmed by the broker before the parked message is acked.
     On a failure the message stays parked and the command stops with exit code 1.
     """
-    from rabbit_delay.sync import broker_info
+    from rabbit_delay.replay import resolve_queue
     from rabbit_delay.sync._connection import close_quietly, connect_first
     from rabbit_delay.sync.replay import (
+        passive_counts,
         preview_parked,
         preview_unroutable,
         replay_parked,
@@ -483,25 +371,35 @@ def replay(
 
     with errors_to_exit():
         topology = resolve_topology(file, topology_file)
-        connection, broker = connect_first(url_for(url), name="rabbit-delay replay")
+        connection, _ = connect_first(url_for(url), name="rabbit-delay replay")
         try:
             if dry_run:
-                info = broker_info(connection)
-                endpoint = management_access(info, broker, management_url, no_management).endpoint
                 if unroutable:
-                    preview = preview_unroutable(
-                        connection, topology, queue=queue, limit=limit, endpoint=endpoint
-                    )
+                    preview = preview_unroutable(connection, topology, queue=queue, limit=limit)
                 else:
                     assert queue is not None
-                    preview = preview_parked(
-                        connection, topology, queue, tier=tier, limit=limit, endpoint=endpoint
-                    )
-            elif unroutable:
-                report = replay_unroutable(connection, topology, queue=queue, limit=limit)
+                    preview = preview_parked(connection, topology, queue, tier=tier, limit=limit)
             else:
-                assert queue is not None
-                report = replay_parked(connection, topology, queue, tier=tier, limit=limit)
+                source = (
+                    topology.names.unroutable_queue()
+                    if queue is None or unroutable
+                    else topology.names.parking_queue(resolve_queue(topology, queue))
+                )
+
+                def held() -> int:
+                    counts = passive_counts(connection, [source])[source]
+                    return counts.ready if counts is not None else 0
+
+                with _progress(source, held, limit, wanted=not as_json) as advance:
+                    if unroutable:
+                        report = replay_unroutable(
+                            connection, topology, queue=queue, limit=limit, progress=advance
+                        )
+                    else:
+                        assert queue is not None
+                        report = replay_parked(
+                            connection, topology, queue, tier=tier, limit=limit, progress=advance
+                        )
         finally:
             close_quietly(connection)
 
@@ -533,11 +431,9 @@ def replay(
 
 __all__ = [
     "EXIT_ATTENTION",
-    "QueueRow",
-    "Role",
-    "placement_cells",
+    "PROGRESS_MIN",
+    "render_status",
     "replay",
-    "shows_placement",
+    "shows_progress",
     "status",
-    "status_rows",
 ]

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import pika
 import pika.exceptions
+from pika.adapters.blocking_connection import BlockingChannel
 
 from rabbit_delay.broker import BrokerInfo
 from rabbit_delay.connection import ConnectionSettings, query_keys, unavailable_message
@@ -103,9 +105,39 @@ def close_quietly(connection: pika.BlockingConnection | None) -> None:
             log.debug("closing a connection failed: %s", redact(repr(exc)))
 
 
+class ChannelSlot:
+    """One channel for a run of operations, opened when first needed and replaced once
+    closed: a refusal (404, 406, 403) closes the channel it came on, not the others."""
+
+    def __init__(self, connection: pika.BlockingConnection) -> None:
+        self.connection = connection
+        self._ch: BlockingChannel | None = None
+
+    @property
+    def channel(self) -> BlockingChannel:
+        if self._ch is None or not self._ch.is_open:
+            self._ch = self.connection.channel()
+        return self._ch
+
+    def close(self) -> None:
+        """Close the channel if it is still open; a lost one needs nothing (and an error
+        on the way out never hides the one that ended the run)."""
+        if self._ch is not None and self._ch.is_open:
+            with contextlib.suppress(*CLIENT_ERRORS):
+                self._ch.close()
+
+
 def broker_info(connection: pika.BlockingConnection) -> BrokerInfo:
     """What the broker said about itself when the connection opened (version, cluster)."""
     return BrokerInfo.from_server_properties(connection._impl.server_properties)
 
 
-__all__ = ["broker_info", "close_quietly", "connect", "connect_first", "connected", "parameters"]
+__all__ = [
+    "ChannelSlot",
+    "broker_info",
+    "close_quietly",
+    "connect",
+    "connect_first",
+    "connected",
+    "parameters",
+]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
 from collections.abc import Generator
@@ -10,7 +9,6 @@ from typing import TypeVar
 
 import pika
 import pika.exceptions
-from pika.adapters.blocking_connection import BlockingChannel
 
 from rabbit_delay.errors import MissingPluginError
 from rabbit_delay.plan import (
@@ -24,7 +22,6 @@ from rabbit_delay.plan import (
     ExchangeSpec,
     Exists,
     Kind,
-    ObjectSpec,
     Observed,
     Operation,
     Plan,
@@ -37,32 +34,15 @@ from rabbit_delay.plan import (
     plan_program,
     refusal_answer,
 )
-from rabbit_delay.sync._connection import broker_info
-from rabbit_delay.sync._errors import CLIENT_ERRORS, mapped, translate
+from rabbit_delay.sync._connection import ChannelSlot, broker_info
+from rabbit_delay.sync._errors import CLIENT_ERRORS, translate
 from rabbit_delay.topology import Topology
 
 T = TypeVar("T")
 
 
-class _Executor:
+class _Executor(ChannelSlot):
     """Runs one operation at a time; a channel closed by a 404/406 is replaced."""
-
-    def __init__(self, connection: pika.BlockingConnection) -> None:
-        self.connection = connection
-        self._ch: BlockingChannel | None = None
-
-    @property
-    def channel(self) -> BlockingChannel:
-        if self._ch is None or not self._ch.is_open:
-            self._ch = self.connection.channel()
-        return self._ch
-
-    def close(self) -> None:
-        """Close the channel if it is still open; a lost one needs nothing (and an error
-        on the way out never hides the one that ended the program)."""
-        if self._ch is not None and self._ch.is_open:
-            with contextlib.suppress(*CLIENT_ERRORS):
-                self._ch.close()
 
     def __call__(self, op: Operation) -> object:
         try:
@@ -174,35 +154,3 @@ def plan(
     """
     program = plan_program(desired(topology), observed, broker_info(connection))
     return run_program(connection, program)
-
-
-def delete_topology(connection: pika.BlockingConnection, topology: Topology) -> list[str]:
-    """Delete every queue and exchange the topology declares, WITH the messages in them.
-
-    For tests, demos and benchmarks, never part of normal operation (nothing else in
-    rabbit-delay deletes or purges). Objects already gone are skipped. Returns what was
-    deleted, as "queue NAME" / "exchange NAME". Raises AccessRefused, ConnectionLost or
-    BrokerError.
-    """
-    want = desired(topology)
-    deleted: list[str] = []
-    specs: list[ObjectSpec] = [*want.queues, *want.exchanges]
-    for spec in specs:
-        doing = f"deleting {spec.kind.value} {spec.name!r}"
-        with mapped(doing, permission="configure"):
-            channel = connection.channel()
-            try:
-                if isinstance(spec, ExchangeSpec):
-                    channel.exchange_declare(spec.name, passive=True)
-                    channel.exchange_delete(spec.name)
-                else:
-                    channel.queue_declare(spec.name, passive=True)
-                    channel.queue_delete(spec.name)
-                deleted.append(f"{spec.kind.value} {spec.name}")
-            except pika.exceptions.ChannelClosedByBroker as exc:
-                if exc.reply_code != 404:
-                    raise
-            finally:
-                if channel.is_open:
-                    channel.close()
-    return deleted

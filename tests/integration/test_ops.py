@@ -8,25 +8,30 @@ declares (live; the management API's figures are sampled every few seconds).
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pika
 import pytest
-from conftest import MakeTopology, wait_for
+from conftest import MakeTopology, delete_topology, unique_namespace, wait_for
 from typer.testing import CliRunner, Result
 
 from rabbit_delay import names as h
+from rabbit_delay.broker import BrokerInfo
 from rabbit_delay.cli._app import app, load_commands
 from rabbit_delay.cli.ops import EXIT_ATTENTION
 from rabbit_delay.message import JSON
-from rabbit_delay.sync import Publisher, declare
-from rabbit_delay.topology import Topology
-from rabbit_delay.urls import MANAGEMENT_URL_ENV, URL_ENV
+from rabbit_delay.sync import Publisher, connected, declare
+from rabbit_delay.topology import Topology, topology_from_dict
+from rabbit_delay.urls import MANAGEMENT_URL_ENV, URL_ENV, ManagementEndpoint
 
 from ._publishers import toml_for
+from ._terminal import Terminal
 
 pytestmark = pytest.mark.integration
 
@@ -122,14 +127,22 @@ class Ops:
             self.conn.close()
 
 
-@pytest.fixture
-def ops(make_topology: MakeTopology, tmp_path: Path, broker_url: str) -> Iterator[Ops]:
-    topology = make_topology()
+@contextmanager
+def declared(topology: Topology, tmp_path: Path, url: str) -> Iterator[Ops]:
+    """`topology` (the conftest default, with its own overrides) declared, as an Ops."""
     path = tmp_path / "topology.toml"
     path.write_text(toml_for(topology), encoding="utf-8")
-    handle = Ops(topology, path, broker_url)
-    yield handle
-    handle.close()
+    handle = Ops(topology, path, url)
+    try:
+        yield handle
+    finally:
+        handle.close()
+
+
+@pytest.fixture
+def ops(make_topology: MakeTopology, tmp_path: Path, broker_url: str) -> Iterator[Ops]:
+    with declared(make_topology(), tmp_path, broker_url) as handle:
+        yield handle
 
 
 def rows_by_name(result: Result) -> dict[str, dict[str, Any]]:
@@ -192,6 +205,27 @@ def test_status_counts_and_flags(ops: Ops, broker_url: str) -> None:
         assert n.parking_queue("orders.cancel") in checked.stdout
 
 
+def test_status_check_on_a_topology_never_declared_needs_attention(
+    make_topology: MakeTopology, tmp_path: Path, broker_url: str
+) -> None:
+    """Issue 11, observed: `status FILE --check` on a topology whose queues do not exist
+    listed them as missing, printed "nothing needs attention" and exited 0."""
+    topology = make_topology()  # never declared
+    path = tmp_path / "topology.toml"
+    path.write_text(toml_for(topology), encoding="utf-8")
+    result = cli("status", str(path), "--url", broker_url, "--check")
+    assert result.exit_code == EXIT_ATTENTION, result.stdout + result.stderr
+    assert "nothing needs attention" not in result.stdout
+    assert "missing" in result.stdout
+    assert "rabbit-delay declare" in result.stdout
+    shown = cli("status", str(path), "--url", broker_url, "--json")
+    assert shown.exit_code == 0, shown.stderr  # without --check: 0, whatever it found
+    data = json.loads(shown.stdout)
+    assert data["attention"] is True
+    assert data["queues"]
+    assert all(not row["exists"] and row["attention"] for row in data["queues"])
+
+
 def test_status_flags_a_consumer_on_a_buffer(ops: Ops) -> None:
     buffer = ops.names.tier_queue("1s")
     channel = ops.conn.channel()
@@ -224,6 +258,174 @@ def test_status_missing_queue_and_no_password_in_output(ops: Ops, broker_url: st
     assert down.exit_code == 1
     assert SECRET not in down.stdout + down.stderr
     assert "guest:***@127.0.0.1:1" in down.stderr
+
+
+def test_status_flags_a_missing_exchange_and_names_the_broker(
+    ops: Ops, broker_info: BrokerInfo
+) -> None:
+    channel = ops.conn.channel()
+    channel.exchange_delete(ops.names.due_exchange())
+    channel.close()
+    checked = ops.run("status", "--check")
+    assert checked.exit_code == EXIT_ATTENTION, checked.stdout + checked.stderr
+    assert f"needs attention: missing exchange {ops.names.due_exchange()}" in checked.stdout
+    assert "run `rabbit-delay declare`" in checked.stdout
+    assert f"RabbitMQ {broker_info.version_text}" in checked.stdout  # the table's title
+    data = json.loads(ops.run("status", "--json").stdout)
+    assert data["missing_exchanges"] == [ops.names.due_exchange()]
+    assert data["broker_version"] == broker_info.version_text
+    assert data["attention"] is True
+    assert all(row["exists"] and not row["attention"] for row in data["queues"])
+
+
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+def test_status_ages_the_oldest_buffered_message_and_flags_a_stuck_buffer(
+    make_topology: MakeTopology,
+    tmp_path: Path,
+    broker_url: str,
+    broker_info: BrokerInfo,
+    queue_type: str,
+) -> None:
+    """A message whose AMQP timestamp is a minute old sits at the head of the 3s buffer:
+    status reads its age by peeking it (a classic queue always, a quorum one on 4.3+),
+    calls the buffer stuck, and the peeks change nothing: the messages still expire on
+    time and in order, and arrive as if never looked at."""
+    with declared(make_topology(queue_type=queue_type), tmp_path, broker_url) as ops:
+        _age_and_stuck(ops, broker_info, queue_type)
+
+
+def _age_and_stuck(ops: Ops, broker_info: BrokerInfo, queue_type: str) -> None:
+    n = ops.names
+    buffer = n.tier_queue("3s")
+    now_s = int(time.time())
+    channel = ops.conn.channel()
+    channel.confirm_delivery()
+    for message_id, timestamp in (("old", now_s - 60), ("new", now_s)):
+        props = pika.BasicProperties(
+            message_id=message_id, delivery_mode=2, timestamp=timestamp, headers={}
+        )
+        channel.basic_publish(n.tier_exchange("3s"), n.queue_key("push"), b"{}", props)
+    channel.close()
+    published = time.monotonic()
+    data = json.loads(ops.run("status", "--json").stdout)
+    row = {r["name"]: r for r in data["queues"]}[buffer]
+    assert row["ready"] == 2
+    if queue_type == "classic" or broker_info.peeks_quorum_buffers_freely:
+        assert row["age_source"] == "peek"
+        assert 59_000 <= row["oldest_age_ms"] <= 70_000
+        assert row["stuck"] is True
+        assert row["attention"] is True
+        assert any(note.startswith("stuck: oldest message 1m") for note in row["notes"])
+        assert data["sources"]["oldest_age"].startswith("peek")
+        assert ops.run("status", "--check").exit_code == EXIT_ATTENTION
+    else:  # 3.x, 4.0-4.2: a peek could make it late or early; the age is unknown, said so
+        assert row["oldest_age_ms"] is None
+        assert not row["stuck"]
+        assert any("buffer ages unknown" in note for note in data["notes"])
+    for _ in range(3):  # more peeks of the head
+        assert ops.run("status", "--json").exit_code == 0
+    business = n.business_queue("push")
+    wait_for(lambda: ops.count(business) == 2, timeout=10, interval=0.02)
+    assert time.monotonic() - published >= 2.9  # never early: TTL 3 s
+    got = []
+    reader = ops.conn.channel()
+    while True:
+        method, props, _body = reader.basic_get(business, auto_ack=True)
+        if method is None:
+            break
+        assert props is not None
+        got.append(
+            (
+                props.message_id,
+                method.redelivered,
+                (props.headers or {}).get(h.DELIVERY_COUNT_HEADER, 0),
+            )
+        )
+    reader.close()
+    # In order, and as if never looked at: not redelivered, no delivery counted.
+    assert got == [("old", False, 0), ("new", False, 0)]
+
+
+def test_status_without_amqp_reads_the_management_api(
+    ops: Ops, management: ManagementEndpoint, broker_info: BrokerInfo
+) -> None:
+    """No AMQP connection: the counts, which exchanges exist and the broker's version
+    come from the management API (unverified: nothing to compare it with)."""
+    channel = ops.conn.channel()
+    channel.exchange_delete(ops.names.parking_exchange())
+    channel.close()
+    down = "amqp://guest:guest@127.0.0.1:1/%2F"
+    result = cli("status", str(ops.path), "--url", down, "--management-url", management.base)
+    assert result.exit_code == 0, result.stderr
+    assert f"RabbitMQ {broker_info.version_text}, from the management API" in result.stdout
+    assert "counts from the management API" in result.stdout
+    data = json.loads(
+        cli(
+            "status", str(ops.path), "--url", down, "--management-url", management.base, "--json"
+        ).stdout
+    )
+    assert data["broker_version"] == broker_info.version_text
+    assert data["sources"]["ready_and_consumers"] == "management API"
+    assert data["sources"]["exchanges"] == "management API"
+    assert data["missing_exchanges"] == [ops.names.parking_exchange()]
+    assert all(row["exists"] for row in data["queues"])
+
+
+PLUGIN_URL_ENV = "RABBIT_DELAY_PLUGIN_URL"
+
+
+def test_status_shows_the_plugin_store(tmp_path: Path) -> None:
+    """How many messages the delayed-message plugin holds (`messages_delayed` of its
+    exchange in the management API; the parsing is unit-tested in test_ops_status)."""
+    url = os.environ.get(PLUGIN_URL_ENV)
+    if not url:
+        pytest.skip(
+            f"{PLUGIN_URL_ENV} is not set: no broker with rabbitmq_delayed_message_exchange"
+        )
+    topology = topology_from_dict(
+        {
+            "namespace": unique_namespace(),
+            "tiers": {"1h": "1h"},
+            "queues": {"orders.cancel": {}},
+            "plugin": {},
+        }
+    )
+    path = tmp_path / "plugin.toml"
+    path.write_text(
+        f'namespace = "{topology.namespace}"\n[tiers]\n1h = "1h"\n[queues."orders.cancel"]\n'
+        "[plugin]\n",
+        encoding="utf-8",
+    )
+    with connected(url, name="rd-test plugin status") as connection:
+        declare(connection, topology)
+    try:
+        with Publisher(topology, url) as publisher:
+            publisher.publish_delayed({"k": 1}, queue="orders.cancel", delay=timedelta(minutes=9))
+
+        def store() -> dict[str, Any] | None:
+            data = json.loads(cli("status", str(path), "--url", url, "--json").stdout)
+            plugin: dict[str, Any] | None = data["plugin_store"]
+            return plugin if plugin and plugin["delayed"] else None
+
+        shown = wait_for(store, timeout=15, what="the plugin store's count")
+        assert shown == {"exchange": topology.names.plugin_exchange(), "delayed": 1}
+    finally:
+        delete_topology(url, topology)
+
+
+def test_status_watch_refreshes_until_ctrl_c(ops: Ops) -> None:
+    term = Terminal("status", str(ops.path), "--url", ops.url, "--watch", "--interval", "200ms")
+    try:
+        term.read_until(lambda out: out.count("refreshed 20") >= 3, 30, "three refreshes")
+        assert f"status of {ops.names.prefix}" in term.output
+        term.interrupt()
+        assert term.wait() == 0, term.output
+    finally:
+        term.kill()
+    refused = ops.run("status", "--watch", "--json")
+    assert refused.exit_code == 1
+    assert "--watch" in refused.stderr
+    assert ops.run("status", "--interval", "1s").exit_code == 1
 
 
 # -- replay -----------------------------------------------------------------------------
@@ -284,7 +486,7 @@ def test_dry_run_changes_nothing(ops: Ops) -> None:
     lot, business = n.parking_queue("orders.cancel"), n.business_queue("orders.cancel")
     before = (ops.count(lot), ops.count(business))
     assert before == (2, 0)
-    for extra, via in (([], "management API"), (["--no-management"], "basic.get")):
+    for extra, via in (([], "basic.get"), (["--no-management"], "basic.get")):
         result = ops.run("replay", "orders.cancel", "--dry-run", "--json", *extra)
         assert result.exit_code == 0, result.stderr
         data = json.loads(result.stdout)

@@ -32,6 +32,7 @@ from conftest import MakeTopology, message_count, server_info, wait_for
 from typer.testing import CliRunner
 
 from rabbit_delay import aio
+from rabbit_delay.broker import BrokerInfo
 from rabbit_delay.cli._app import app as cli_app
 from rabbit_delay.cli._app import load_commands
 from rabbit_delay.consumer import App, HandlerContext
@@ -332,3 +333,37 @@ def test_connect_as_each_role_needs_no_permission_beyond_the_vhost(
     """Connecting (and the passive declares of `plan`) need only access to the vhost."""
     user = grant(_role(topology, Role.PUBLISHER), write="")
     connect(user.url, name="rd-test least-privilege connect").close()
+
+
+def test_status_as_a_user_that_may_not_read_the_buffers(
+    make_topology: MakeTopology,
+    grant: Grant,
+    broker_url: str,
+    broker_info: BrokerInfo,
+    tmp_path: Path,
+) -> None:
+    """Peeking a buffer's head for its age needs `read` (counting does not): without it,
+    status still works and says why the ages are missing."""
+    if not broker_info.peeks_quorum_buffers_freely:
+        pytest.skip(f"status peeks no quorum buffer on {broker_info.describe()}")
+    topology = make_topology(tiers={"30s": "30s"}, queues={QUEUE: {}})
+    with connected(broker_url, name="rd-test declare") as connection:
+        declare(connection, topology)
+    with Publisher(topology, broker_url) as publisher:
+        publisher.publish_delayed({"k": 1}, "30s", queue=QUEUE)
+    # 4.3 refuses a passive declare without `configure` on the queue: the declarer's
+    # permissions, without `read`.
+    user = grant(_role(topology, Role.DECLARER), read="^$")
+    path = tmp_path / "topology.toml"
+    path.write_text(
+        f'namespace = "{topology.namespace}"\n[tiers]\n30s = "30s"\n[queues."{QUEUE}"]\n'
+    )
+    load_commands()
+    result = CliRunner().invoke(cli_app, ["status", str(path), "--url", user.url, "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    buffer = {r["name"]: r for r in data["queues"]}[topology.names.tier_queue("30s")]
+    assert (buffer["ready"], buffer["oldest_age_ms"]) == (1, None)
+    (note,) = [n for n in data["notes"] if n.startswith("buffer ages not read")]
+    assert "read" in note
+    assert user.password not in result.output

@@ -170,6 +170,12 @@ def test_summary_of_a_worker_parked_message() -> None:
         "parked_at": datetime.fromtimestamp((NOW - 40_000) / 1000, UTC)
         .isoformat(timespec="milliseconds")
         .replace("+00:00", "Z"),  # ISO-8601 UTC, as every instant the CLI shows
+        "first_failure": datetime.fromtimestamp((NOW - 50_000) / 1000, UTC)
+        .isoformat(timespec="milliseconds")
+        .replace("+00:00", "Z"),
+        "last_failure": datetime.fromtimestamp((NOW - 40_000) / 1000, UTC)
+        .isoformat(timespec="milliseconds")
+        .replace("+00:00", "Z"),
         "original_queue": "orders.cancel",
         "target": "shop.v1.q.orders.cancel",
     }

@@ -8,15 +8,15 @@ from io import StringIO
 
 from rich.console import Console
 
-from rabbit_delay.cli.ops import (
+from rabbit_delay.cli.ops import _status_table
+from rabbit_delay.management import QueueStats, queue_stats
+from rabbit_delay.ops.status import (
     QueueRow,
     Role,
-    _status_table,
     placement_cells,
     shows_placement,
     status_rows,
 )
-from rabbit_delay.management import QueueStats, queue_stats
 from rabbit_delay.plan import desired
 from rabbit_delay.topology import Topology, topology_from_dict
 
