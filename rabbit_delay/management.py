@@ -1,7 +1,7 @@
 """Read existing objects through the management HTTP API (standard library only).
 
 Used by `plan` and `declare` to compare arguments without touching the broker's
-state, and by `status` and `replay --dry-run`. The API is used only once it is shown to
+state, and by `status` and `delete`. The API is used only once it is shown to
 serve the same broker as the AMQP connection (`checked`): its cluster name equals the
 one the broker sent in `connection.start`, and it knows the vhost. Otherwise, or when it
 does not answer, callers fall back to AMQP (passive declarations) and say why.
@@ -393,6 +393,10 @@ def read_broker_version(endpoint: ManagementEndpoint) -> str | None:
 def peek_messages(endpoint: ManagementEndpoint, queue: str, count: int) -> list[dict[str, Any]]:
     """Up to `count` messages from the head of `queue`, put back at once (the API's
     `ackmode=ack_requeue_true`); payloads truncated to 1 KiB.
+
+    Not used by rabbit-delay to peek: on a quorum queue it puts more than 32 messages
+    back out of order, and any number behind messages requeued before
+    (`sync.replay.REQUEUE_BATCH`); `sync.replay.peek` keeps the order.
 
     Each get-and-requeue is a redelivery for the broker: on RabbitMQ 4.0-4.2 it counts
     towards a quorum queue's delivery limit. Raises ManagementUnavailable, or
