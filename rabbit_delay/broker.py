@@ -105,6 +105,7 @@ class BrokerInfo:
         before. When unknown, assume the limit: the safe side."""
         return None if self.version is not None and not self.at_least(4) else 20
 
+    @property
     def quorum_buffer_peek_risk(self) -> str | None:
         """What peeking the head of a quorum tier buffer or cascade level (basic.get, then
         basic.nack with requeue) would cost on this broker; None when nothing.
