@@ -38,8 +38,10 @@ from rabbit_delay.errors import ConfigError, DecodeError
 from rabbit_delay.idempotency import (
     AsyncGuard,
     AsyncIdempotencyStore,
+    Clock,
     Guard,
     IdempotencyStore,
+    SyncStoreAsAsync,
     as_async,
     async_store_from_config,
     store_from_config,
@@ -52,10 +54,12 @@ KeyFunction = Callable[[Any], str]
 
 
 class Transport(StrEnum):
-    """Which worker runs an app: pika (threads) or aio-pika (asyncio)."""
+    """Which worker runs an app: pika (threads), aio-pika (asyncio), or the in-memory
+    worker of rabbit_delay.testing (no broker; `def` and `async def` handlers)."""
 
     SYNC = "sync"
     ASYNC = "async"
+    MEMORY = "memory"
 
 
 class _NotDecoded:
@@ -243,6 +247,7 @@ class App:
         self.retention_ms = parse_positive_ms(retention) if retention is not None else cfg.retention
         self.router = Router(self.topology)
         self.consumers: dict[str, Consumer] = {}
+        self._explicit_store = store
         self._store = store
         self._async_store: AsyncIdempotencyStore | None = None
         self._guard: Guard | None = None
@@ -346,6 +351,33 @@ class App:
                 )
 
     # -- idempotency -------------------------------------------------------------------
+
+    @property
+    def explicit_store(self) -> IdempotencyStore | AsyncIdempotencyStore | None:
+        """The store given as `App(store=...)`; None when the app builds its store from
+        the topology's `[idempotency]` table."""
+        return self._explicit_store
+
+    def _install_guard(self, store: IdempotencyStore, clock: Clock) -> Callable[[], None]:
+        """Guard the app with `store` on `clock` (its workers' guard, the async one over the
+        same store, and `cancel`) until the returned function puts back what the app had.
+
+        For rabbit_delay.testing, whose in-memory worker and the test's `app.cancel()`
+        must share one store on the virtual clock.
+        """
+        saved = (self._store, self._async_store, self._guard, self._async_guard)
+        self._store = store
+        self._async_store = SyncStoreAsAsync(store)
+        lease, retention = self.lease_ms, self.retention_ms
+        self._guard = Guard(store, lease_ms=lease, retention_ms=retention, clock=clock)
+        self._async_guard = AsyncGuard(
+            self._async_store, lease_ms=lease, retention_ms=retention, clock=clock
+        )
+
+        def restore() -> None:
+            self._store, self._async_store, self._guard, self._async_guard = saved
+
+        return restore
 
     def store(self) -> IdempotencyStore:
         """The synchronous store (built from the topology on first use).

@@ -7,7 +7,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
 from rabbit_delay.broker import BrokerInfo
@@ -24,6 +24,7 @@ from rabbit_delay.consumer._stats import (
     log_consumer_cancelled,
     worker_identity,
 )
+from rabbit_delay.errors import MissingObjectError
 from rabbit_delay.plan import check_broker, desired
 from rabbit_delay.urls import redact
 
@@ -116,6 +117,9 @@ class WorkerBase:
         self._wanted = desired(app.topology)
         self.guarded = any(c.idempotent for c in self.consumers)
         self.leases = LeaseBook(app.lease_ms)
+        # UTC epoch ms for the delivery program (due times, failure times, leases): the
+        # wall clock; the in-memory worker of rabbit_delay.testing reads its virtual one.
+        self.clock: Callable[[], int] = clock_ms
         self._seq = itertools.count(1)
         self._next_purge = time.monotonic() + PURGE_EVERY_S
         self._new_channel()
@@ -134,7 +138,7 @@ class WorkerBase:
             owner=owner,
             broker=broker,
             lease_ms=self.leases.lease_ms,
-            clock=clock_ms,
+            clock=self.clock,
         )
 
     def account(self, settled: Settled) -> None:
@@ -254,6 +258,20 @@ class WorkerBase:
             "%s finished after its lease was lost: another copy may have run beside it", key
         )
 
+    def renew_due(self, renew: Callable[[str, str], bool]) -> None:
+        """One round of lease renewals with a synchronous guard (`Guard.renew`): every
+        running handler's claim that is due (LeaseBook.due) is renewed; a failed renewal
+        is logged and tried again next round, a lost lease counted and logged."""
+        book = self.leases
+        for key, owner in book.due(self.clock()):
+            try:
+                ok = renew(key, owner)
+            except Exception as exc:
+                log.warning("lease renewal of %s failed: %r", key, exc)
+                continue
+            if book.renewed(owner, ok, self.clock()):
+                self.lease_lost(key, owner)
+
     def purge_due(self) -> bool:
         """True once every PURGE_EVERY_S: time to delete expired idempotency records."""
         now = time.monotonic()
@@ -280,6 +298,14 @@ class WorkerBase:
         queue_name = self.app.topology.names.business_queue(consumer.queue)
         log_consumer_cancelled(consumer.queue, queue_name, tag, broker, not stopping)
         return None if stopping else consumer
+
+    @staticmethod
+    def missing_queue(queue_name: str) -> MissingObjectError:
+        """The error for a business queue absent from the broker at start."""
+        return MissingObjectError(
+            f"queue {queue_name!r} does not exist on the broker: declare the topology "
+            "(`rabbit-delay declare`), or start the worker with --declare"
+        )
 
     def check_broker(self, broker: BrokerInfo) -> None:
         """Refuse, before consuming, a broker whose version cannot serve the topology:

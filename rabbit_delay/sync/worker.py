@@ -73,7 +73,6 @@ from rabbit_delay.consumer._worker_base import WorkerBase, WorkerSettings, call_
 from rabbit_delay.errors import (
     BrokerError,
     BrokerUnavailable,
-    MissingObjectError,
     PublishError,
     RabbitDelayError,
 )
@@ -653,16 +652,8 @@ class Worker(WorkerBase):
     def _housekeeping(self, guard: Guard) -> None:
         """Renew the leases of running handlers; purge expired records now and then. No
         lock is held across a store round trip."""
-        book = self.leases
-        while not self._done.wait(book.every_ms / 2000):
-            for key, owner in book.due(clock_ms()):
-                try:
-                    ok = guard.renew(key, owner)
-                except Exception as exc:
-                    log.warning("lease renewal of %s failed: %r", key, exc)
-                    continue
-                if book.renewed(owner, ok, clock_ms()):
-                    self.lease_lost(key, owner)
+        while not self._done.wait(self.leases.every_ms / 2000):
+            self.renew_due(guard.renew)
             if guard.store.needs_purge and self.purge_due():
                 try:
                     guard.purge()
@@ -702,10 +693,7 @@ def _check_queue(conn: pika.BlockingConnection, queue_name: str) -> None:
         except pika.exceptions.ChannelClosedByBroker as exc:
             if exc.reply_code != 404:
                 raise
-            raise MissingObjectError(
-                f"queue {queue_name!r} does not exist on the broker: declare the topology "
-                "(`rabbit-delay declare`), or start the worker with --declare"
-            ) from None
+            raise WorkerBase.missing_queue(queue_name) from None
         _quietly(channel.close)
 
 
