@@ -15,6 +15,8 @@ thread-safe, nor needs to be.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import selectors
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -62,6 +64,55 @@ class _Selector(selectors.BaseSelector):
         return []
 
 
+class _Timer(asyncio.TimerHandle):
+    """A timer that sorts by (time, creation): timers due at the same virtual instant
+    fire in the order they were set. asyncio orders them by time alone, so two handlers
+    waking at one instant would run in an order that varies between runs."""
+
+    __slots__ = ("_seq",)
+
+    def __init__(
+        self,
+        when: float,
+        callback: Callable[..., object],
+        args: tuple[Any, ...],
+        loop: asyncio.AbstractEventLoop,
+        context: Any,
+        seq: int,
+    ) -> None:
+        super().__init__(when, callback, args, loop, context)
+        self._seq = seq
+
+    def _key(self) -> tuple[float, int]:
+        return (self.when(), self._seq)
+
+    def __lt__(self, other: object) -> bool:
+        if isinstance(other, _Timer):
+            return self._key() < other._key()
+        return super().__lt__(other)  # type: ignore[operator]
+
+    def __le__(self, other: object) -> bool:
+        if isinstance(other, _Timer):
+            return self._key() <= other._key()
+        return super().__le__(other)  # type: ignore[operator]
+
+    def __gt__(self, other: object) -> bool:
+        if isinstance(other, _Timer):
+            return self._key() > other._key()
+        return super().__gt__(other)  # type: ignore[operator]
+
+    def __ge__(self, other: object) -> bool:
+        if isinstance(other, _Timer):
+            return self._key() >= other._key()
+        return super().__ge__(other)  # type: ignore[operator]
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
 class VirtualLoop(asyncio.SelectorEventLoop):
     """See the module docstring. `time()` starts at 0.0 (seconds)."""
 
@@ -70,10 +121,22 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         self.threads_busy = 0
         self._until = 0.0
         self._stop_if: Callable[[], bool] | None = None
+        self._timer_seq = itertools.count()
         super().__init__(_Selector(self))
 
     def time(self) -> float:
         return self._now
+
+    def call_at(  # type: ignore[override]
+        self, when: float, callback: Callable[..., object], *args: Any, context: Any = None
+    ) -> asyncio.TimerHandle:
+        """BaseEventLoop.call_at with timers that keep their creation order at equal
+        times (`_Timer`); pushed on the loop's own heap, as asyncio does."""
+        self._check_closed()  # type: ignore[attr-defined]
+        timer = _Timer(when, callback, args, self, context, next(self._timer_seq))
+        heapq.heappush(self._scheduled, timer)  # type: ignore[attr-defined]
+        timer._scheduled = True  # type: ignore[attr-defined]
+        return timer
 
     def run_in_executor(
         self, executor: Executor | None, func: Callable[[*Ts], T], *args: *Ts
