@@ -276,7 +276,7 @@ def _with_death(
     exchange: str,
     routing_key: str,
     now_ms: int,
-    info: BrokerInfo,
+    last_death: bool,
 ) -> dict[str, Any]:
     """The headers of a dead-lettered copy: RabbitMQ's `x-death` (newest first, one entry
     per queue and reason, counted) and its first/last death summary."""
@@ -298,7 +298,7 @@ def _with_death(
     out["x-death"] = [same, *deaths]
     for part, value in (("exchange", exchange), ("queue", queue), ("reason", reason)):
         out.setdefault(f"x-first-death-{part}", value)
-        if info.at_least(3, 13):
+        if last_death:
             out[f"x-last-death-{part}"] = value
     return out
 
@@ -386,7 +386,7 @@ class Channel:
         queue, entry, consumer = self._take(tag)
         consumer.unacked -= 1
         if requeue:
-            counted = self.broker.info.nack_requeue_counts
+            counted = self.broker.nack_counts
             self.broker._return(queue, entry, counted=counted, failed=False)
         else:
             self.broker._dead_letter_or_drop(queue, entry, "rejected")
@@ -451,6 +451,10 @@ class MemoryBroker:
         )
         if self.info.version is None:
             raise ConfigError(f"version {version!r} is not a RabbitMQ version such as '4.3.6'")
+        # The version rules used per message, read once (BrokerInfo parses on each call).
+        self.nack_counts = self.info.nack_requeue_counts  # towards x-delivery-limit
+        self._last_death = self.info.at_least(3, 13)  # x-last-death-* headers
+        self._acquired_header = self.info.at_least(4, 3)  # x-acquired-count
         if start is not None and (start.tzinfo is None or start.utcoffset() is None):
             raise ConfigError(f"start={start!r} has no timezone; pass an aware datetime")
         self.loop = VirtualLoop()
@@ -753,7 +757,7 @@ class MemoryBroker:
         headers = dict(message.headers)
         if queue.quorum and entry.delivery_count:
             headers[h.DELIVERY_COUNT_HEADER] = entry.delivery_count
-        if queue.quorum and entry.acquired and self.info.at_least(4, 3):
+        if queue.quorum and entry.acquired and self._acquired_header:
             headers["x-acquired-count"] = entry.acquired
         return Message(
             message.exchange,
@@ -897,7 +901,7 @@ class MemoryBroker:
             message.exchange,
             message.routing_key,
             self.now_ms(),
-            self.info,
+            self._last_death,
         )
         dead = Message(
             queue.dlx,
