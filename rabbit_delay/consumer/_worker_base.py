@@ -15,7 +15,14 @@ from rabbit_delay.connection import Backoff, ConnectionSettings, failover_order
 from rabbit_delay.consumer._app import App, Consumer, Prepared, Transport
 from rabbit_delay.consumer._context import clock_ms
 from rabbit_delay.consumer._decide import Outcome, Undecodable
-from rabbit_delay.consumer._delivery import Delivery, Program, Settled, delivery_program
+from rabbit_delay.consumer._delivery import (
+    Claim,
+    Delivery,
+    Finish,
+    Program,
+    Settled,
+    delivery_program,
+)
 from rabbit_delay.consumer._lease import LeaseBook
 from rabbit_delay.consumer._stats import (
     WorkerMetrics,
@@ -25,6 +32,7 @@ from rabbit_delay.consumer._stats import (
     worker_identity,
 )
 from rabbit_delay.errors import MissingObjectError
+from rabbit_delay.idempotency import ClaimResult, Guard
 from rabbit_delay.plan import check_broker, desired
 from rabbit_delay.urls import redact
 
@@ -257,6 +265,31 @@ class WorkerBase:
         log.warning(
             "%s finished after its lease was lost: another copy may have run beside it", key
         )
+
+    def claim_now(self, guard: Guard, step: Claim) -> object:
+        """Execute a Claim step on a synchronous guard: its result, or the store's
+        exception (the step's reply); a claimed key is held in the lease book."""
+        try:
+            result = guard.claim(step.key, step.owner)
+        except Exception as exc:
+            return exc
+        if result is ClaimResult.CLAIMED:
+            self.leases.hold(step.key, step.owner, self.clock())
+        return result
+
+    def finish_now(self, guard: Guard, step: Finish) -> object:
+        """Execute a Finish step on a synchronous guard: done or released, the lease
+        dropped (a lease lost meanwhile is logged); None, or the store's exception."""
+        if self.leases.drop(step.owner):
+            self.finished_after_lost_lease(step.key)
+        try:
+            if step.succeeded:
+                guard.done(step.key, step.owner)
+            else:
+                guard.failed(step.key, step.owner)
+        except Exception as exc:
+            return exc
+        return None
 
     def renew_due(self, renew: Callable[[str, str], bool]) -> None:
         """One round of lease renewals with a synchronous guard (`Guard.renew`): every

@@ -575,29 +575,12 @@ class Worker(WorkerBase):
 
     def _claim_now(self, step: Claim) -> object:
         """A store that never blocks (memory): claimed on the handler thread at once."""
-        guard = self._guard
-        assert guard is not None
-        try:
-            result = guard.claim(step.key, step.owner)
-        except Exception as exc:
-            return exc
-        if result is ClaimResult.CLAIMED:
-            self.leases.hold(step.key, step.owner, clock_ms())
-        return result
+        assert self._guard is not None
+        return self.claim_now(self._guard, step)
 
     def _finish_now(self, step: Finish) -> object:
-        guard = self._guard
-        assert guard is not None
-        if self.leases.drop(step.owner):
-            self.finished_after_lost_lease(step.key)
-        try:
-            if step.succeeded:
-                guard.done(step.key, step.owner)
-            else:
-                guard.failed(step.key, step.owner)
-        except Exception as exc:
-            return exc
-        return None
+        assert self._guard is not None
+        return self.finish_now(self._guard, step)
 
     # -- the store thread ------------------------------------------------------------------
 

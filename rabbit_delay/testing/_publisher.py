@@ -6,13 +6,16 @@ UnroutableError, as on RabbitMQ."""
 from __future__ import annotations
 
 from collections.abc import Coroutine, Iterable
-from typing import Any, Unpack
+from typing import Any, Generic, TypeVar, Unpack
 
 from rabbit_delay.errors import RabbitDelayError
 from rabbit_delay.message import Outgoing
 from rabbit_delay.publishing import PublisherCore, PublisherOptions
 from rabbit_delay.testing._broker import NO_ROUTE, MemoryBroker
 from rabbit_delay.topology import Topology
+
+OneT = TypeVar("OneT")
+ManyT = TypeVar("ManyT")
 
 
 def _send(
@@ -37,14 +40,8 @@ def _send(
     return core.finish(ledger)
 
 
-class MemoryPublisher(PublisherCore[str, list[str]]):
-    """`rabbit_delay.sync.Publisher`'s API on a MemoryBroker: `publish_delayed`,
-    `publish_many`, `publish_outgoing` return the message ids once "confirmed".
-
-    Raises what the real publishers raise before anything is sent (DelayError,
-    UnknownTargetError, EncodeError), UnroutableError for a message returned under
-    `mandatory`, MissingObjectError for an exchange that does not exist.
-    """
+class _OnMemoryBroker(PublisherCore[OneT, ManyT], Generic[OneT, ManyT]):
+    """A publisher of a MemoryBroker, on its virtual clock."""
 
     def __init__(
         self, topology: Topology, broker: MemoryBroker, **options: Unpack[PublisherOptions]
@@ -54,6 +51,16 @@ class MemoryPublisher(PublisherCore[str, list[str]]):
 
     def now(self) -> int:
         return self.broker.now_ms()
+
+
+class MemoryPublisher(_OnMemoryBroker[str, list[str]]):
+    """`rabbit_delay.sync.Publisher`'s API on a MemoryBroker: `publish_delayed`,
+    `publish_many`, `publish_outgoing` return the message ids once "confirmed".
+
+    Raises what the real publishers raise before anything is sent (DelayError,
+    UnknownTargetError, EncodeError), UnroutableError for a message returned under
+    `mandatory`, MissingObjectError for an exchange that does not exist.
+    """
 
     def publish_outgoing(self, messages: Iterable[Outgoing]) -> list[str]:
         return _send(self, self.broker, messages)
@@ -68,18 +75,11 @@ class MemoryPublisher(PublisherCore[str, list[str]]):
         return None
 
 
-class AsyncMemoryPublisher(PublisherCore[Coroutine[Any, Any, str], Coroutine[Any, Any, list[str]]]):
+class AsyncMemoryPublisher(
+    _OnMemoryBroker[Coroutine[Any, Any, str], Coroutine[Any, Any, list[str]]]
+):
     """`rabbit_delay.aio.AsyncPublisher`'s API (awaited) on a MemoryBroker, for code under
     test that publishes from async handlers or services. Raises like MemoryPublisher."""
-
-    def __init__(
-        self, topology: Topology, broker: MemoryBroker, **options: Unpack[PublisherOptions]
-    ) -> None:
-        super().__init__(topology, borrowed=True, **options)
-        self.broker = broker
-
-    def now(self) -> int:
-        return self.broker.now_ms()
 
     async def publish_outgoing(self, messages: Iterable[Outgoing]) -> list[str]:
         return _send(self, self.broker, messages)

@@ -387,31 +387,16 @@ class MemoryWorker(WorkerBase):
     def _execute(self, live: _Live, step: Step) -> object:
         """Every step but Run and Pause, synchronously (the store is called inline)."""
         if isinstance(step, Finish):  # always executed: the handler did run
-            if self.leases.drop(step.owner):
-                self.finished_after_lost_lease(step.key)
-            guard = self.guard
-            assert guard is not None
-            try:
-                if step.succeeded:
-                    guard.done(step.key, step.owner)
-                else:
-                    guard.failed(step.key, step.owner)
-            except Exception as exc:
-                return exc
-            return None
+            assert self.guard is not None
+            return self.finish_now(self.guard, step)
         if self._stale(live):
             return STALE
         if isinstance(step, Claim):
             if self._stopping:
                 return STOPPING
-            guard = self.guard
-            assert guard is not None
-            try:
-                result = guard.claim(step.key, step.owner)
-            except Exception as exc:
-                return exc
+            assert self.guard is not None
+            result = self.claim_now(self.guard, step)
             if result is ClaimResult.CLAIMED:
-                self.leases.hold(step.key, step.owner, self.clock())
                 self._renew_while_held()
             return result
         if isinstance(step, Publish):

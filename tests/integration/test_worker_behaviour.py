@@ -162,28 +162,26 @@ def running() -> Iterator[list[RunningWorker]]:
             worker.stop()
 
 
+def _bench(request: pytest.FixtureRequest) -> RealBench:
+    return RealBench(
+        str(request.param),
+        request.getfixturevalue("make_topology"),
+        request.getfixturevalue("broker_url"),
+        request.getfixturevalue("broker_info"),
+        request.getfixturevalue("running"),
+    )
+
+
 @pytest.fixture(params=HANDLER_KINDS)
-def bench(
-    request: pytest.FixtureRequest,
-    make_topology: Callable[..., Topology],
-    broker_url: str,
-    broker_info: BrokerInfo,
-    running: list[RunningWorker],
-) -> RealBench:
+def bench(request: pytest.FixtureRequest) -> RealBench:
     """A worker and the handlers it runs: "sync", "async", "async-def"."""
-    return RealBench(str(request.param), make_topology, broker_url, broker_info, running)
+    return _bench(request)
 
 
 @pytest.fixture(params=KINDS)
-def worker_bench(
-    request: pytest.FixtureRequest,
-    make_topology: Callable[..., Topology],
-    broker_url: str,
-    broker_info: BrokerInfo,
-    running: list[RunningWorker],
-) -> RealBench:
+def worker_bench(request: pytest.FixtureRequest) -> RealBench:
     """A worker alone ("sync", "async"), for what happens before any handler runs."""
-    return RealBench(str(request.param), make_topology, broker_url, broker_info, running)
+    return _bench(request)
 
 
 class TestRealWorkers(WorkerBehaviour):
