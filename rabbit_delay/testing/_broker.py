@@ -243,6 +243,13 @@ class _Exchange:
         return list(seen)
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 def topic_matches(pattern: str, key: str) -> bool:
     """AMQP topic matching: words separated by dots, `*` matches exactly one word, `#`
     zero or more. An empty key has no words."""
@@ -547,6 +554,13 @@ class MemoryBroker:
     def _run(self, until_ms: int, stop_if: Callable[[], bool] | None = None) -> None:
         if self.closed:
             raise KitError("this in-memory broker is closed")
+        running = _running_loop()
+        if running is not None and running is not self.loop:
+            raise KitError(
+                "this is an `async def` test: the kit runs its own event loop on virtual time, "
+                "which cannot run inside the test's; await broker.aadvance(...) / "
+                "arun_until_idle(...) and use `async with TestBroker(...)` instead"
+            )
         if self.loop.is_running():
             misuse = KitError(
                 "virtual time cannot be advanced from inside a handler or a callback of the "

@@ -3,6 +3,7 @@ the app's consumers running on an in-memory worker; one object for a user's test
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from types import TracebackType
@@ -110,6 +111,16 @@ class TestBroker:
         `advance`."""
         return timedelta(milliseconds=self.memory.run_until_idle(limit))
 
+    async def aadvance(self, duration: DurationLike) -> None:
+        """`advance` for an `async def` test: the kit's loop cannot run inside the test's,
+        so it runs on a thread meanwhile (`def` handlers run there). Raises like
+        `advance`."""
+        await asyncio.to_thread(self.advance, duration)
+
+    async def arun_until_idle(self, limit: DurationLike = "30d") -> timedelta:
+        """`run_until_idle` for an `async def` test (see `aadvance`)."""
+        return await asyncio.to_thread(self.run_until_idle, limit)
+
     def run_until(self, predicate: Callable[[], object], timeout: DurationLike = "1d") -> bool:
         """Advance until `predicate()` holds (looked at whenever the broker settled at a
         virtual instant), at most `timeout`; whether it holds. Raises like `advance`."""
@@ -194,6 +205,17 @@ class TestBroker:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+    async def __aenter__(self) -> TestBroker:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await asyncio.to_thread(self.close)
 
     def __repr__(self) -> str:
         return (

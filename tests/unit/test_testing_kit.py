@@ -218,6 +218,19 @@ def test_the_emulated_version_decides_what_the_topology_may_use() -> None:
     TestBroker(native).close()  # 4.3 has it
 
 
+async def test_an_async_test_awaits_the_kit(app: App, orders: Orders) -> None:
+    async with TestBroker(app, start=START) as broker:
+        await broker.async_publisher.publish_delayed(CancelOrder(order_id=10), "30m", queue=QUEUE)
+        with pytest.raises(KitError, match=r"await broker.aadvance"):
+            broker.advance("30m")  # cannot run the kit's loop inside this one
+        await broker.aadvance("30m")
+        assert orders.cancelled == [10]
+        orders.failing.add(11)
+        broker.publisher.publish_delayed(CancelOrder(order_id=11), "30m", queue=QUEUE)
+        assert await broker.arun_until_idle() == timedelta(minutes=70)
+        assert broker.outcomes(QUEUE)[-1] == "parked"
+
+
 def test_a_topology_alone_gives_a_broker_and_publishers_without_a_worker() -> None:
     topology = load_topology(ORDERS)
     with TestBroker(topology, start=START) as broker:
