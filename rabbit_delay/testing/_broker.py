@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import threading
 from collections import deque
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
@@ -243,11 +244,28 @@ class _Exchange:
         return list(seen)
 
 
-def _running_loop() -> asyncio.AbstractEventLoop | None:
+def _outside_other_loops(run: Callable[[], None]) -> None:
+    """Run `run` (which runs the kit's loop) here, or, when an event loop already runs on
+    this thread (an `async def` test), on a thread of its own while this one waits: two
+    loops cannot run on one thread. Raises what `run` raised."""
     try:
-        return asyncio.get_running_loop()
+        asyncio.get_running_loop()
     except RuntimeError:
-        return None
+        run()
+        return
+    failed: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            run()
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=target, name="rabbit-delay-testing", daemon=True)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
 
 
 def topic_matches(pattern: str, key: str) -> bool:
@@ -554,13 +572,6 @@ class MemoryBroker:
     def _run(self, until_ms: int, stop_if: Callable[[], bool] | None = None) -> None:
         if self.closed:
             raise KitError("this in-memory broker is closed")
-        running = _running_loop()
-        if running is not None and running is not self.loop:
-            raise KitError(
-                "this is an `async def` test: the kit runs its own event loop on virtual time, "
-                "which cannot run inside the test's; await broker.aadvance(...) / "
-                "arun_until_idle(...) and use `async with TestBroker(...)` instead"
-            )
         if self.loop.is_running():
             misuse = KitError(
                 "virtual time cannot be advanced from inside a handler or a callback of the "
@@ -568,7 +579,8 @@ class MemoryBroker:
             )
             self.record_error(misuse)  # a handler would take it for a failure: the test sees it
             raise misuse
-        self.loop.run_until((until_ms - self._origin_ms) / 1000, stop_if)
+        until = (until_ms - self._origin_ms) / 1000
+        _outside_other_loops(lambda: self.loop.run_until(until, stop_if))
         self.raise_errors()
 
     def raise_errors(self) -> None:
@@ -991,6 +1003,8 @@ class MemoryBroker:
                 return
             expires = ready[0].expires_at
             if expires is not None and expires <= self.now_ms():
+                if queue.backlog:
+                    return  # expired, and its dead-lettering waits behind the backlog
                 self._expire_head(queue)
                 continue
             entry = ready.popleft()
@@ -1018,6 +1032,9 @@ class MemoryBroker:
         """End every task still running on the broker's loop, and close it."""
         if self.closed:
             return
+        _outside_other_loops(self._close)
+
+    def _close(self) -> None:
         loop = self.loop
         tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
         for task in tasks:

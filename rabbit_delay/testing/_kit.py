@@ -112,13 +112,12 @@ class TestBroker:
         return timedelta(milliseconds=self.memory.run_until_idle(limit))
 
     async def aadvance(self, duration: DurationLike) -> None:
-        """`advance` for an `async def` test: the kit's loop cannot run inside the test's,
-        so it runs on a thread meanwhile (`def` handlers run there). Raises like
-        `advance`."""
+        """`advance` without blocking an `async def` test's event loop meanwhile (the
+        kit runs on a thread; `def` handlers run there). Raises like `advance`."""
         await asyncio.to_thread(self.advance, duration)
 
     async def arun_until_idle(self, limit: DurationLike = "30d") -> timedelta:
-        """`run_until_idle` for an `async def` test (see `aadvance`)."""
+        """`run_until_idle` without blocking the test's event loop (see `aadvance`)."""
         return await asyncio.to_thread(self.run_until_idle, limit)
 
     def run_until(self, predicate: Callable[[], object], timeout: DurationLike = "1d") -> bool:

@@ -658,3 +658,23 @@ def test_timers_due_at_the_same_instant_fire_in_the_order_they_were_set(
         broker.loop.create_task(wake(n))
     broker.advance("1s")
     assert order == list(range(50))
+
+
+def test_an_expired_head_stuck_behind_a_dead_letter_backlog_is_not_delivered(
+    broker: MemoryBroker,
+) -> None:
+    declare(
+        broker,
+        ExchangeSpec("dlx", "direct"),
+        QueueSpec(
+            "work", {**AT_LEAST_ONCE, "x-message-ttl": 1_000, "x-dead-letter-exchange": "dlx"}
+        ),
+        QueueSpec("target"),
+    )
+    broker.publish(message("", "work", b"1"))
+    broker.publish(message("", "work", b"2"))
+    broker.advance("1s")  # both expired: the first waits for a route, the second behind it
+    consumed = Consumed(broker, "work")
+    assert consumed.got == []  # an expired message is never handed out
+    declare(broker, BindingSpec("dlx", "target", "work"))
+    assert [m.body for m in broker.peek("target")] == [b"1", b"2"]
