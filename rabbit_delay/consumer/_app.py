@@ -252,6 +252,7 @@ class App:
         self._async_store: AsyncIdempotencyStore | None = None
         self._guard: Guard | None = None
         self._async_guard: AsyncGuard | None = None
+        self._installed = False  # a guard of rabbit_delay.testing is in place
 
     # -- registration ------------------------------------------------------------------
 
@@ -363,8 +364,15 @@ class App:
         same store, and `cancel`) until the returned function puts back what the app had.
 
         For rabbit_delay.testing, whose in-memory worker and the test's `app.cancel()`
-        must share one store on the virtual clock.
+        must share one store on the virtual clock. Raises ConfigError while another
+        installed guard is in place (they would be put back out of order).
         """
+        if self._installed:
+            raise ConfigError(
+                "this app already runs on an in-memory broker (a TestBroker or MemoryWorker "
+                "not closed yet): close that one first"
+            )
+        self._installed = True
         saved = (self._store, self._async_store, self._guard, self._async_guard)
         self._store = store
         self._async_store = SyncStoreAsAsync(store)
@@ -376,6 +384,7 @@ class App:
 
         def restore() -> None:
             self._store, self._async_store, self._guard, self._async_guard = saved
+            self._installed = False
 
         return restore
 

@@ -105,6 +105,7 @@ def test_transports_all() -> None:
         ("from rabbit_delay import AsyncPublisher", ("pika",)),
         ("import rabbit_delay.sync", ("aio_pika", "aiormq")),
         ("import rabbit_delay.aio", ("pika",)),
+        ("import rabbit_delay.testing", ("pika", "aio_pika", "aiormq")),
     ],
 )
 def test_importing_pulls_in_only_the_transport_used(
