@@ -131,6 +131,12 @@ class PublisherCore(Generic[OneT, ManyT]):
 
     # -- one call --------------------------------------------------------------------------
 
+    def now(self) -> int:
+        """The publisher's clock (UTC epoch ms): what `rd-due-at` counts from and `at=`
+        is measured against. The wall clock; rabbit_delay.testing's publishers read its
+        virtual clock instead."""
+        return now_ms()
+
     @property
     def connected_url(self) -> str | None:
         """The URL of the node this publisher's own connection is open to (after a
@@ -284,7 +290,7 @@ class PublisherCore(Generic[OneT, ManyT]):
         at: datetime | None = None,
     ) -> list[Outgoing]:
         """Validate and encode every message (one target and delay) before any is sent."""
-        now = now_ms()
+        now = self.now()
         route = self.route(tier, queue=queue, routing_key=routing_key, delay=delay, at=at, now=now)
         return [self.outgoing(route, *encode_body(m), now) for m in messages]
 
@@ -308,7 +314,7 @@ class PublisherCore(Generic[OneT, ManyT]):
                     f"at={at.isoformat(timespec='milliseconds')} has no timezone; pass an "
                     "aware datetime, e.g. datetime.now(UTC) + ..."
                 )
-            delay_ms = int(at.timestamp() * 1000) - (now if now is not None else now_ms())
+            delay_ms = int(at.timestamp() * 1000) - (now if now is not None else self.now())
             if delay_ms <= 0:
                 raise DelayError(
                     f"at={iso(at)} is {format_ms(-delay_ms)} in the past; a delayed "
@@ -335,7 +341,7 @@ class PublisherCore(Generic[OneT, ManyT]):
         attempt: int = 1,
     ) -> Outgoing:
         """Validate and encode one message. Raises a PublishError subclass on bad input."""
-        now = now_ms()
+        now = self.now()
         route = self.route(tier, queue=queue, routing_key=routing_key, delay=delay, at=at, now=now)
         body, content_type = encode_body(msg)
         return self.outgoing(route, body, content_type, now, message_id, headers, attempt)

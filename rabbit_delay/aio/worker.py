@@ -81,7 +81,6 @@ from rabbit_delay.consumer._worker_base import (
 )
 from rabbit_delay.errors import (
     BrokerError,
-    MissingObjectError,
     PublishError,
     RabbitDelayError,
 )
@@ -704,10 +703,7 @@ async def _check_queue(connection: AbstractConnection, queue_name: str) -> None:
         try:
             await channel.declare_queue(queue_name, passive=True)
         except aiormq.exceptions.ChannelNotFoundEntity:
-            raise MissingObjectError(
-                f"queue {queue_name!r} does not exist on the broker: declare the topology "
-                "(`rabbit-delay declare`), or start the worker with --declare"
-            ) from None
+            raise WorkerBase.missing_queue(queue_name) from None
         finally:
             if not channel.is_closed:
                 with contextlib.suppress(*CLIENT_ERRORS, RuntimeError):

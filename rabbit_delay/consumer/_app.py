@@ -39,8 +39,10 @@ from rabbit_delay.errors import ConfigError, DecodeError
 from rabbit_delay.idempotency import (
     AsyncGuard,
     AsyncIdempotencyStore,
+    Clock,
     Guard,
     IdempotencyStore,
+    SyncStoreAsAsync,
     as_async,
     async_store_from_config,
     store_from_config,
@@ -53,10 +55,12 @@ KeyFunction = Callable[[Any], str]
 
 
 class Transport(StrEnum):
-    """Which worker runs an app: pika (threads) or aio-pika (asyncio)."""
+    """Which worker runs an app: pika (threads), aio-pika (asyncio), or the in-memory
+    worker of rabbit_delay.testing (no broker; `def` and `async def` handlers)."""
 
     SYNC = "sync"
     ASYNC = "async"
+    MEMORY = "memory"
 
 
 class _NotDecoded:
@@ -245,10 +249,12 @@ class App:
         self.router = Router(self.topology)
         self.consumers: dict[str, Consumer] = {}
         self.reconcilers: dict[str, Reconciler] = {}
+        self._explicit_store = store
         self._store = store
         self._async_store: AsyncIdempotencyStore | None = None
         self._guard: Guard | None = None
         self._async_guard: AsyncGuard | None = None
+        self._installed = False  # a guard of rabbit_delay.testing is in place
 
     # -- registration ------------------------------------------------------------------
 
@@ -403,6 +409,41 @@ class App:
                 )
 
     # -- idempotency -------------------------------------------------------------------
+
+    @property
+    def explicit_store(self) -> IdempotencyStore | AsyncIdempotencyStore | None:
+        """The store given as `App(store=...)`; None when the app builds its store from
+        the topology's `[idempotency]` table."""
+        return self._explicit_store
+
+    def _install_guard(self, store: IdempotencyStore, clock: Clock) -> Callable[[], None]:
+        """Guard the app with `store` on `clock` (its workers' guard, the async one over the
+        same store, and `cancel`) until the returned function puts back what the app had.
+
+        For rabbit_delay.testing, whose in-memory worker and the test's `app.cancel()`
+        must share one store on the virtual clock. Raises ConfigError while another
+        installed guard is in place (they would be put back out of order).
+        """
+        if self._installed:
+            raise ConfigError(
+                "this app already runs on an in-memory broker (a TestBroker or MemoryWorker "
+                "not closed yet): close that one first"
+            )
+        self._installed = True
+        saved = (self._store, self._async_store, self._guard, self._async_guard)
+        self._store = store
+        self._async_store = SyncStoreAsAsync(store)
+        lease, retention = self.lease_ms, self.retention_ms
+        self._guard = Guard(store, lease_ms=lease, retention_ms=retention, clock=clock)
+        self._async_guard = AsyncGuard(
+            self._async_store, lease_ms=lease, retention_ms=retention, clock=clock
+        )
+
+        def restore() -> None:
+            self._store, self._async_store, self._guard, self._async_guard = saved
+            self._installed = False
+
+        return restore
 
     def store(self) -> IdempotencyStore:
         """The synchronous store (built from the topology on first use).

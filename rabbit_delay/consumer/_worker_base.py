@@ -8,7 +8,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
 from rabbit_delay import tracing
@@ -17,7 +17,14 @@ from rabbit_delay.connection import Backoff, ConnectionSettings, failover_order
 from rabbit_delay.consumer._app import App, Consumer, Prepared, Transport
 from rabbit_delay.consumer._context import clock_ms
 from rabbit_delay.consumer._decide import Outcome, Undecodable
-from rabbit_delay.consumer._delivery import Delivery, Program, Settled, delivery_program
+from rabbit_delay.consumer._delivery import (
+    Claim,
+    Delivery,
+    Finish,
+    Program,
+    Settled,
+    delivery_program,
+)
 from rabbit_delay.consumer._health import Health, Phase
 from rabbit_delay.consumer._lease import LeaseBook
 from rabbit_delay.consumer._stats import (
@@ -27,6 +34,8 @@ from rabbit_delay.consumer._stats import (
     log_consumer_cancelled,
     worker_identity,
 )
+from rabbit_delay.errors import MissingObjectError
+from rabbit_delay.idempotency import ClaimResult, Guard
 from rabbit_delay.logs import delivery_fields
 from rabbit_delay.plan import check_broker, desired
 from rabbit_delay.urls import redact
@@ -125,6 +134,9 @@ class WorkerBase:
         # Run beside the consumers, one worker at a time (consumer/_reconcile.py).
         self.reconcilers = list(app.reconcilers.values())
         self.leases = LeaseBook(app.lease_ms)
+        # UTC epoch ms for the delivery program (due times, failure times, leases): the
+        # wall clock; the in-memory worker of rabbit_delay.testing reads its virtual one.
+        self.clock: Callable[[], int] = clock_ms
         self._seq = itertools.count(1)
         self._next_purge = time.monotonic() + PURGE_EVERY_S
         self._phase = Phase.STARTING
@@ -184,7 +196,7 @@ class WorkerBase:
             owner=owner,
             broker=broker,
             lease_ms=self.leases.lease_ms,
-            clock=clock_ms,
+            clock=self.clock,
         )
         tracer = tracing.active()
         if tracer is None:
@@ -312,6 +324,45 @@ class WorkerBase:
             "%s finished after its lease was lost: another copy may have run beside it", key
         )
 
+    def claim_now(self, guard: Guard, step: Claim) -> object:
+        """Execute a Claim step on a synchronous guard: its result, or the store's
+        exception (the step's reply); a claimed key is held in the lease book."""
+        try:
+            result = guard.claim(step.key, step.owner)
+        except Exception as exc:
+            return exc
+        if result is ClaimResult.CLAIMED:
+            self.leases.hold(step.key, step.owner, self.clock())
+        return result
+
+    def finish_now(self, guard: Guard, step: Finish) -> object:
+        """Execute a Finish step on a synchronous guard: done or released, the lease
+        dropped (a lease lost meanwhile is logged); None, or the store's exception."""
+        if self.leases.drop(step.owner):
+            self.finished_after_lost_lease(step.key)
+        try:
+            if step.succeeded:
+                guard.done(step.key, step.owner)
+            else:
+                guard.failed(step.key, step.owner)
+        except Exception as exc:
+            return exc
+        return None
+
+    def renew_due(self, renew: Callable[[str, str], bool]) -> None:
+        """One round of lease renewals with a synchronous guard (`Guard.renew`): every
+        running handler's claim that is due (LeaseBook.due) is renewed; a failed renewal
+        is logged and tried again next round, a lost lease counted and logged."""
+        book = self.leases
+        for key, owner in book.due(self.clock()):
+            try:
+                ok = renew(key, owner)
+            except Exception as exc:
+                log.warning("lease renewal of %s failed: %r", key, exc)
+                continue
+            if book.renewed(owner, ok, self.clock()):
+                self.lease_lost(key, owner)
+
     def purge_due(self) -> bool:
         """True once every PURGE_EVERY_S: time to delete expired idempotency records."""
         now = time.monotonic()
@@ -338,6 +389,14 @@ class WorkerBase:
         queue_name = self.app.topology.names.business_queue(consumer.queue)
         log_consumer_cancelled(consumer.queue, queue_name, tag, broker, not stopping)
         return None if stopping else consumer
+
+    @staticmethod
+    def missing_queue(queue_name: str) -> MissingObjectError:
+        """The error for a business queue absent from the broker at start."""
+        return MissingObjectError(
+            f"queue {queue_name!r} does not exist on the broker: declare the topology "
+            "(`rabbit-delay declare`), or start the worker with --declare"
+        )
 
     def check_broker(self, broker: BrokerInfo) -> None:
         """Refuse, before consuming, a broker whose version cannot serve the topology:

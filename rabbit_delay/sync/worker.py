@@ -72,7 +72,6 @@ from rabbit_delay.consumer._worker_base import WorkerBase, WorkerSettings, call_
 from rabbit_delay.errors import (
     BrokerError,
     BrokerUnavailable,
-    MissingObjectError,
     PublishError,
     RabbitDelayError,
 )
@@ -607,29 +606,12 @@ class Worker(WorkerBase):
 
     def _claim_now(self, step: Claim) -> object:
         """A store that never blocks (memory): claimed on the handler thread at once."""
-        guard = self._guard
-        assert guard is not None
-        try:
-            result = guard.claim(step.key, step.owner)
-        except Exception as exc:
-            return exc
-        if result is ClaimResult.CLAIMED:
-            self.leases.hold(step.key, step.owner, clock_ms())
-        return result
+        assert self._guard is not None
+        return self.claim_now(self._guard, step)
 
     def _finish_now(self, step: Finish) -> object:
-        guard = self._guard
-        assert guard is not None
-        if self.leases.drop(step.owner):
-            self.finished_after_lost_lease(step.key)
-        try:
-            if step.succeeded:
-                guard.done(step.key, step.owner)
-            else:
-                guard.failed(step.key, step.owner)
-        except Exception as exc:
-            return exc
-        return None
+        assert self._guard is not None
+        return self.finish_now(self._guard, step)
 
     # -- the store thread ------------------------------------------------------------------
 
@@ -684,16 +666,8 @@ class Worker(WorkerBase):
     def _housekeeping(self, guard: Guard) -> None:
         """Renew the leases of running handlers; purge expired records now and then. No
         lock is held across a store round trip."""
-        book = self.leases
-        while not self._done.wait(book.every_ms / 2000):
-            for key, owner in book.due(clock_ms()):
-                try:
-                    ok = guard.renew(key, owner)
-                except Exception as exc:
-                    log.warning("lease renewal of %s failed: %r", key, exc)
-                    continue
-                if book.renewed(owner, ok, clock_ms()):
-                    self.lease_lost(key, owner)
+        while not self._done.wait(self.leases.every_ms / 2000):
+            self.renew_due(guard.renew)
             if guard.store.needs_purge and self.purge_due():
                 try:
                     guard.purge()
@@ -724,10 +698,7 @@ def _check_queue(conn: pika.BlockingConnection, queue_name: str) -> None:
         except pika.exceptions.ChannelClosedByBroker as exc:
             if exc.reply_code != 404:
                 raise
-            raise MissingObjectError(
-                f"queue {queue_name!r} does not exist on the broker: declare the topology "
-                "(`rabbit-delay declare`), or start the worker with --declare"
-            ) from None
+            raise WorkerBase.missing_queue(queue_name) from None
         _quietly(channel.close)
 
 

@@ -112,6 +112,7 @@ def test_transports_all() -> None:
             "assert tracing.active() is None",
             ("opentelemetry",),
         ),
+        ("import rabbit_delay.testing", ("pika", "aio_pika", "aiormq")),
     ],
 )
 def test_importing_pulls_in_only_the_transport_used(

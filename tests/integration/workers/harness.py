@@ -2,8 +2,8 @@
 
 `RunningWorker(kind, app, url, ...)` runs `Worker.run()` on a thread, or
 `AsyncWorker.run()` in `asyncio.run` on a thread; `stop()` is the same call the signal
-handlers make. `handler(kind, ...)` builds the handler each kind runs from the same
-steps, so each behaviour test is written once. Every wait has a deadline.
+handlers make. The handlers each kind runs are built by `worker_behaviour.handler` from
+the same steps, so each behaviour test is written once. Every wait has a deadline.
 
 Kinds: `KINDS` are the two workers (what `rabbit-delay worker --transport` takes);
 `HANDLER_KINDS` adds "async-def", the async worker running a plain `def` handler in its
@@ -24,8 +24,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -34,7 +33,7 @@ import pika
 import pika.exceptions
 from conftest import wait_for
 
-from rabbit_delay.consumer import App, HandlerContext
+from rabbit_delay.consumer import App
 from rabbit_delay.urls import ManagementEndpoint
 
 KINDS = ("sync", "async")  # the workers (transports)
@@ -43,88 +42,11 @@ START_S = 15.0
 STOP_S = 20.0
 
 
-@dataclass
-class Call:
-    message: Any
-    ctx: HandlerContext
-    at: float = field(default_factory=time.monotonic)
-
-
-class Calls:
-    """Thread-safe record of handler invocations (started and finished)."""
-
-    def __init__(self) -> None:
-        self.started: list[Call] = []
-        self.finished: list[Call] = []
-        self._lock = threading.Lock()
-
-    def start(self, message: Any, ctx: HandlerContext) -> None:
-        with self._lock:
-            self.started.append(Call(message, ctx))
-
-    def finish(self, message: Any, ctx: HandlerContext) -> None:
-        with self._lock:
-            self.finished.append(Call(message, ctx))
-
-    def wait_started(self, n: int, timeout: float = 15.0) -> list[Call]:
-        wait_for(lambda: len(self.started) >= n, timeout, f"{n} handler start(s)")
-        return list(self.started)
-
-    def wait_finished(self, n: int, timeout: float = 15.0) -> list[Call]:
-        wait_for(lambda: len(self.finished) >= n, timeout, f"{n} handler finish(es)")
-        return list(self.finished)
-
-
-Step = Callable[[Any, HandlerContext], None]
-
-
 def transport(kind: str) -> str:
     """The worker a kind runs on: "sync" or "async"."""
     if kind not in HANDLER_KINDS:
         raise ValueError(f"unknown worker kind {kind!r}; the kinds are {HANDLER_KINDS}")
     return "sync" if kind == "sync" else "async"
-
-
-def handler(
-    kind: str,
-    calls: Calls,
-    *,
-    sleep: float | Callable[[Any, HandlerContext], float] = 0.0,
-    then: Step | None = None,
-) -> Callable[..., Any]:
-    """record start -> sleep -> `then` (which may raise) -> record finish.
-
-    A `def` for "sync" and "async-def" (sleeps on its thread), an `async def` for
-    "async" (sleeps on the loop).
-    """
-
-    def pause(message: Any, ctx: HandlerContext) -> float:
-        return sleep(message, ctx) if callable(sleep) else sleep
-
-    if kind != "async":
-        transport(kind)  # refuses an unknown kind
-
-        def handle(message: Any, ctx: HandlerContext) -> None:
-            calls.start(message, ctx)
-            seconds = pause(message, ctx)
-            if seconds:
-                time.sleep(seconds)
-            if then is not None:
-                then(message, ctx)
-            calls.finish(message, ctx)
-
-        return handle
-
-    async def handle_async(message: Any, ctx: HandlerContext) -> None:
-        calls.start(message, ctx)
-        seconds = pause(message, ctx)
-        if seconds:
-            await asyncio.sleep(seconds)
-        if then is not None:
-            then(message, ctx)
-        calls.finish(message, ctx)
-
-    return handle_async
 
 
 class RunningWorker:

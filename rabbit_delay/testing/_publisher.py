@@ -1,0 +1,94 @@
+"""Publishers on the in-memory broker: the real `PublisherCore` (arguments, validation,
+routing, encoding, headers, the ledger and how a call ends), with the broker's virtual
+clock and an in-memory send. Confirms always come; `mandatory` returns are
+UnroutableError, as on RabbitMQ."""
+
+from __future__ import annotations
+
+from collections.abc import Coroutine, Iterable
+from typing import Any, Generic, TypeVar, Unpack
+
+from rabbit_delay.errors import RabbitDelayError
+from rabbit_delay.message import Outgoing
+from rabbit_delay.publishing import PublisherCore, PublisherOptions
+from rabbit_delay.testing._broker import NO_ROUTE, MemoryBroker
+from rabbit_delay.topology import Topology
+
+OneT = TypeVar("OneT")
+ManyT = TypeVar("ManyT")
+
+
+def _send(
+    core: PublisherCore[Any, Any], broker: MemoryBroker, messages: Iterable[Outgoing]
+) -> list[str]:
+    """Send every message of one call in order and end it the way both real publishers
+    do (`PublisherCore.finish`): the ids, or the one error naming exactly those concerned.
+    A missing exchange (404) ends the call, as RabbitMQ closes the channel."""
+    ledger = core.ledger(messages)
+    tag = 0
+    while (index := ledger.take()) is not None:
+        out = ledger.outs[index]
+        tag += 1
+        ledger.sent(index, tag)
+        try:
+            routed = broker.publish(out)
+        except RabbitDelayError as exc:
+            return core.finish(ledger, exc)
+        if not routed and out.mandatory:
+            ledger.returned(out.message_id, NO_ROUTE)  # basic.return comes before the ack
+        ledger.ack(tag)
+    return core.finish(ledger)
+
+
+class _OnMemoryBroker(PublisherCore[OneT, ManyT], Generic[OneT, ManyT]):
+    """A publisher of a MemoryBroker, on its virtual clock."""
+
+    def __init__(
+        self, topology: Topology, broker: MemoryBroker, **options: Unpack[PublisherOptions]
+    ) -> None:
+        super().__init__(topology, borrowed=True, **options)
+        self.broker = broker
+
+    def now(self) -> int:
+        return self.broker.now_ms()
+
+
+class MemoryPublisher(_OnMemoryBroker[str, list[str]]):
+    """`rabbit_delay.sync.Publisher`'s API on a MemoryBroker: `publish_delayed`,
+    `publish_many`, `publish_outgoing` return the message ids once "confirmed".
+
+    Raises what the real publishers raise before anything is sent (DelayError,
+    UnknownTargetError, EncodeError), UnroutableError for a message returned under
+    `mandatory`, MissingObjectError for an exchange that does not exist.
+    """
+
+    def publish_outgoing(self, messages: Iterable[Outgoing]) -> list[str]:
+        return _send(self, self.broker, messages)
+
+    def _publish_one(self, out: Outgoing) -> str:
+        return _send(self, self.broker, (out,))[0]
+
+    def __enter__(self) -> MemoryPublisher:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        return None
+
+
+class AsyncMemoryPublisher(
+    _OnMemoryBroker[Coroutine[Any, Any, str], Coroutine[Any, Any, list[str]]]
+):
+    """`rabbit_delay.aio.AsyncPublisher`'s API (awaited) on a MemoryBroker, for code under
+    test that publishes from async handlers or services. Raises like MemoryPublisher."""
+
+    async def publish_outgoing(self, messages: Iterable[Outgoing]) -> list[str]:
+        return _send(self, self.broker, messages)
+
+    async def _publish_one(self, out: Outgoing) -> str:
+        return _send(self, self.broker, (out,))[0]
+
+    async def __aenter__(self) -> AsyncMemoryPublisher:
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        return None

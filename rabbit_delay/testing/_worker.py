@@ -1,0 +1,474 @@
+"""The in-memory worker: a driver of the delivery program (`consumer/_delivery.py`), as
+`sync/worker.py` and `aio/worker.py` are, on the in-memory broker's loop and clock.
+
+It decides nothing about a delivery: the program claims, runs, finishes, publishes and
+settles; this module executes each step against the MemoryBroker, the app's guard and a
+MemoryPublisher. Each delivery's program runs in a task of its own on the broker's
+virtual-time loop; `def` handlers run inline on that loop (they take no virtual time),
+`async def` handlers as awaited there (their `asyncio.sleep` takes virtual time), with
+at most `concurrency` handlers running at once. Leases are held and renewed on the
+virtual clock while a handler runs.
+
+Stopping (`stop()`) is the real workers' shutdown in virtual time: consumers cancelled,
+handlers running get `shutdown_timeout`, deliveries not started are handed back (nack),
+and past the timeout the channel closes (the broker takes back what is unacked, counted
+as a lost delivery) while the handlers still running record their results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from rabbit_delay.consumer import (
+    Ack,
+    Action,
+    App,
+    BrokerRetry,
+    Consumer,
+    HandlerContext,
+    Park,
+    Republish,
+    RepublishReason,
+    Requeue,
+    Skip,
+    SkipReason,
+    Transport,
+)
+from rabbit_delay.consumer._app import _is_async_store
+from rabbit_delay.consumer._delivery import (
+    STALE,
+    STOPPING,
+    Claim,
+    Delivery,
+    Finish,
+    Pause,
+    Publish,
+    Run,
+    Settled,
+    Step,
+    WriteAck,
+    WriteNack,
+    WriteReject,
+)
+from rabbit_delay.consumer._worker_base import WorkerBase, call_async_handler, call_handler
+from rabbit_delay.errors import BrokerError, ConfigError, PublishError
+from rabbit_delay.idempotency import ClaimResult, Guard, IdempotencyStore, MemoryStore
+from rabbit_delay.testing._broker import Channel, Delivered, KitError, MemoryBroker
+from rabbit_delay.testing._publisher import MemoryPublisher
+
+if TYPE_CHECKING:
+    from rabbit_delay.metrics import Metrics
+
+log = logging.getLogger("rabbit_delay.worker")
+
+# A URL for WorkerBase, never connected to: the worker consumes from a MemoryBroker.
+MEMORY_URL = "amqp://rabbit-delay-testing/"
+# How much virtual time a stop may take beyond shutdown_timeout (handlers that go on).
+STOP_LIMIT_S = 86_400.0
+
+
+class Outcome(StrEnum):
+    """What became of one delivery, as the worker's counters name it."""
+
+    ACKED = "acked"  # the handler returned
+    RETRIED = "retried"  # failed: another attempt later (tiers, or the broker's retry)
+    PARKED = "parked"  # in the parking lot, with the reason
+    DUPLICATE = "duplicate"  # already handled: acked, not run
+    CANCELLED = "cancelled"  # app.cancel() left a tombstone: acked, not run
+    DEFERRED = "deferred"  # a copy was running (or the store failed): looked at again later
+    REQUEUED = "requeued"  # nacked back at once (the store failed, on RabbitMQ 4.3+)
+    HANDED_BACK = "handed_back"  # not started when the worker stopped: nacked back
+    STALE = "stale"  # its channel was gone: the broker delivers it again
+
+
+@dataclass(frozen=True, slots=True)
+class Handled:
+    """One settled delivery: what the in-memory worker did with it, and why."""
+
+    queue: str  # logical queue name, as in the topology
+    message_id: str | None
+    attempt: int
+    outcome: Outcome
+    reason: str | None  # park / skip / re-publish reason (`rd-park-reason` values...)
+    action: Action | None  # what decide() returned (None: handed back, or stale)
+    ran: bool  # whether the handler ran for this delivery
+    error: BaseException | None  # what the handler raised (or why it could not decode)
+    context: HandlerContext | None  # what the handler saw (None: it did not run)
+    body: bytes
+    at_ms: int  # virtual time it settled, UTC epoch ms
+    publish_error: str | None = None  # the retry / park copy could not be published
+
+    @property
+    def at(self) -> datetime:
+        return datetime.fromtimestamp(self.at_ms / 1000, UTC)
+
+
+def outcome_of(settled: Settled) -> Outcome:
+    """The Outcome of a settled delivery (the same classes as WorkerStats)."""
+    action = settled.action
+    if settled.stale:
+        return Outcome.STALE
+    if action is None:
+        return Outcome.HANDED_BACK
+    if isinstance(action, Ack):
+        return Outcome.ACKED
+    if isinstance(action, Skip):
+        return Outcome.DUPLICATE if action.reason is SkipReason.DUPLICATE else Outcome.CANCELLED
+    if isinstance(action, Republish):
+        return Outcome.RETRIED if action.reason is RepublishReason.RETRY else Outcome.DEFERRED
+    if isinstance(action, Park):
+        return Outcome.PARKED
+    if isinstance(action, BrokerRetry):
+        return Outcome.RETRIED
+    assert isinstance(action, Requeue)
+    return Outcome.REQUEUED
+
+
+def _reason(action: Action | None) -> str | None:
+    if isinstance(action, Park | Skip | Republish):
+        return action.reason.value
+    return None
+
+
+@dataclass(slots=True, eq=False)
+class _Live:
+    """One delivery whose program is running."""
+
+    gen: int  # the channel generation it came on
+    tag: int
+    consumer_tag: str
+    ran: bool = False
+    context: HandlerContext | None = None
+    error: BaseException | None = None
+
+
+class MemoryWorker(WorkerBase):
+    """Runs an App's consumers on a MemoryBroker, in virtual time.
+
+    `store`: the idempotency store; default: the app's own (`App(store=...)`) when it
+    was given one, else a fresh MemoryStore, so that tests never share or persist
+    state. Either way the guard runs on the broker's virtual clock, and `app.cancel()`
+    reaches the same store while the worker runs. Options as the real workers'
+    (`queues`, `prefetch`, `concurrency` (default 16), `declare`, `shutdown_timeout`,
+    `name`, `metrics`).
+
+    Raises ConfigError for an unknown queue, or an asynchronous store (the kit calls
+    its store synchronously: give the app a MemoryStore, SQLiteStore or RedisStore).
+    """
+
+    transport = Transport.MEMORY
+    default_concurrency = 16
+
+    def __init__(
+        self,
+        app: App,
+        broker: MemoryBroker,
+        *,
+        store: IdempotencyStore | None = None,
+        queues: Sequence[str] | None = None,
+        prefetch: int | None = None,
+        concurrency: int | None = None,
+        declare: bool = False,
+        shutdown_timeout: float = 30.0,
+        name: str | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        super().__init__(
+            app,
+            MEMORY_URL,
+            queues=queues,
+            prefetch=prefetch,
+            concurrency=concurrency,
+            declare=declare,
+            shutdown_timeout=shutdown_timeout,
+            name=name,
+            install_signal_handlers=False,
+            metrics=metrics,
+        )
+        self.broker = broker
+        self.clock = broker.now_ms
+        chosen = store if store is not None else app.explicit_store
+        if chosen is not None and _is_async_store(chosen):
+            raise ConfigError(
+                f"rabbit_delay.testing calls the idempotency store synchronously; "
+                f"{type(chosen).__name__} is asynchronous: give the app (or the kit, "
+                "store=...) a MemoryStore, SQLiteStore or RedisStore for tests"
+            )
+        self._store: IdempotencyStore = chosen if chosen is not None else MemoryStore()  # type: ignore[assignment]
+        self.guard: Guard | None = None
+        self.publisher = MemoryPublisher(app.topology, broker, metrics=metrics)
+        self.records: list[Handled] = []
+        self._channel: Channel | None = None
+        self._tags: list[str] = []
+        self._gen = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._starting = 0  # deliveries whose task is about to start
+        self._sem = asyncio.Semaphore(self.concurrency)
+        self._renewer: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._stopped = False
+        self._restore: Callable[[], None] | None = None
+        self._unregister: Callable[[], None] | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> MemoryWorker:
+        """Check the broker and the queues (declaring the topology first with
+        `declare=True`), guard the app, and consume. Raises IncompatibleBroker,
+        DeclarationConflict, MissingObjectError (a queue the topology needs is absent:
+        declare it, or start with declare=True), KitError when already started."""
+        if self._channel is not None or self._stopped:
+            raise KitError("this in-memory worker was started already; make a new one")
+        broker = self.broker
+        self.check_broker(broker.info)
+        if self.declare:
+            broker.declare(self.app.topology)
+        for queue_name in self.queue_names():
+            if not broker.has_queue(queue_name):
+                raise self.missing_queue(queue_name)
+        self._restore = self.app._install_guard(self._store, self.clock)
+        self.guard = self.app.guard() if self.guarded else None
+        self._unregister = broker.register_busy(self.busy)
+        channel = self._channel = broker.channel()
+        names = self.app.topology.names
+        for consumer in self.consumers:
+            deliver = self._on_delivery_of(consumer)
+            queue_name = names.business_queue(consumer.queue)
+            tag = channel.consume(queue_name, deliver, prefetch=self.prefetch)
+            self._by_tag[tag] = consumer
+            self._tags.append(tag)
+        self.started.set()
+        self.ever_started = True
+        self.log_consuming()
+        return self
+
+    def log_consuming(self) -> None:
+        log.info(
+            "in-memory worker %s consuming %s (%s emulated; prefetch %d, concurrency %d)",
+            self.identity,
+            ", ".join(c.queue for c in self.consumers),
+            self.broker.info.describe(),
+            self.prefetch,
+            self.concurrency,
+        )
+
+    def busy(self) -> bool:
+        """Deliveries are in progress (for MemoryBroker.idle)."""
+        return bool(self._tasks) or self._starting > 0
+
+    def stop(self, *, force: bool = False) -> None:
+        """Stop as the real workers do on SIGTERM, in virtual time (see the module
+        docstring); returns once stopped, the app's own guard put back. With `force`,
+        running handlers are abandoned (cancelled; their claims run out after the lease).
+        Raises KitError when called from inside a handler."""
+        if self._channel is None or self._stopped:
+            return
+        done: list[bool] = []
+
+        def stopped(task: asyncio.Future[None]) -> None:
+            done.append(True)
+            self._failed(task)
+
+        def begin() -> None:
+            asyncio.ensure_future(self._shutdown(force)).add_done_callback(stopped)
+
+        self.broker.loop.call_soon(begin)
+        limit = f"{self.shutdown_timeout + STOP_LIMIT_S}s"
+        if not self.broker.run_until(lambda: bool(done), limit):
+            raise KitError(
+                f"the in-memory worker did not stop within {limit} of virtual time: "
+                f"{len(self._tasks)} handler(s) still running"
+            )
+
+    async def _shutdown(self, force: bool) -> None:
+        self._stopping = True
+        channel = self._channel
+        assert channel is not None
+        for tag in self._tags:
+            channel.cancel(tag)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.shutdown_timeout
+        while self.busy() and not force and loop.time() < deadline:
+            if self._tasks:
+                await asyncio.wait(list(self._tasks), timeout=deadline - loop.time())
+            else:
+                await asyncio.sleep(0)  # deliveries about to start: they are handed back
+        if self.busy():
+            self.log_shutdown_timeout(len(self._tasks), force)
+        self._gen += 1  # what settles from now on cannot be acked
+        channel.close()  # the broker takes back what is unacked
+        if force:
+            for task in self._tasks:
+                task.cancel()
+        while self.busy():  # running handlers record their results (never acked)
+            if self._tasks:
+                await asyncio.wait(list(self._tasks))
+            else:
+                await asyncio.sleep(0)
+        self._finish_stop()
+
+    def _finish_stop(self) -> None:
+        self._stopped = True
+        self.started.clear()
+        if self._unregister is not None:
+            self._unregister()
+        if self._restore is not None:
+            self._restore()
+        self.log_stopped()
+
+    # -- deliveries ------------------------------------------------------------------------
+
+    def _on_delivery_of(self, consumer: Consumer) -> Callable[[Delivered], None]:
+        loop = self.broker.loop
+
+        def deliver(delivered: Delivered) -> None:
+            # Called while the broker dispatches (maybe inside another delivery's ack):
+            # the delivery starts on the next loop turn, in delivery order.
+            self._starting += 1
+            loop.call_soon(self._start_task, consumer, delivered)
+
+        return deliver
+
+    def _start_task(self, consumer: Consumer, delivered: Delivered) -> None:
+        self._starting -= 1
+        task = self.broker.loop.create_task(self._drive(consumer, delivered))
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._failed(task)
+
+    def _failed(self, task: asyncio.Future[Any]) -> None:
+        """An error of the kit itself (never a handler's): raised by the run it met."""
+        if not task.cancelled() and task.exception() is not None:
+            self.broker.record_error(task.exception())  # type: ignore[arg-type]
+
+    async def _drive(self, consumer: Consumer, delivered: Delivered) -> None:
+        """Drive one delivery's program to its end."""
+        self.stats.received += 1
+        message = delivered.message
+        delivery = Delivery(
+            message.message_id,
+            message.headers,
+            message.redelivered,
+            message.body,
+            message.content_type,
+            self.clock(),
+        )
+        live = _Live(self._gen, delivered.tag, delivered.consumer_tag)
+        program = self.program(consumer, delivery, self.broker.info)
+        reply: object = None
+        while True:
+            try:
+                step: Step = program.send(reply)
+            except StopIteration as stop:
+                settled: Settled = stop.value
+                self.account(settled)
+                self._record(live, settled, message.body)
+                return
+            if isinstance(step, Run):
+                reply = await self._run(live, step)
+            elif isinstance(step, Pause):
+                await asyncio.sleep(step.seconds)
+                reply = None
+            else:
+                reply = self._execute(live, step)
+
+    def _stale(self, live: _Live) -> bool:
+        return live.gen != self._gen or live.consumer_tag in self._cancelled
+
+    def _execute(self, live: _Live, step: Step) -> object:
+        """Every step but Run and Pause, synchronously (the store is called inline)."""
+        if isinstance(step, Finish):  # always executed: the handler did run
+            assert self.guard is not None
+            return self.finish_now(self.guard, step)
+        if self._stale(live):
+            return STALE
+        if isinstance(step, Claim):
+            if self._stopping:
+                return STOPPING
+            assert self.guard is not None
+            result = self.claim_now(self.guard, step)
+            if result is ClaimResult.CLAIMED:
+                self._renew_while_held()
+            return result
+        if isinstance(step, Publish):
+            try:
+                self.publisher.publish_outgoing((step.outgoing,))
+            except (PublishError, BrokerError) as exc:
+                return exc
+            return None
+        channel = self._channel
+        assert channel is not None
+        if isinstance(step, WriteAck):
+            channel.ack(live.tag)
+        elif isinstance(step, WriteNack):
+            channel.nack(live.tag, requeue=True)
+        else:
+            assert isinstance(step, WriteReject)
+            channel.reject(live.tag, requeue=step.requeue)
+        return None
+
+    async def _run(self, live: _Live, step: Run) -> object:
+        if self._stopping:
+            return STOPPING
+        async with self._sem:
+            if self._stale(live):  # lost while waiting for a slot
+                return STALE
+            if self._stopping:  # waited for a slot past the stop: not started
+                return STOPPING
+            consumer, prepared = step.consumer, step.prepared
+            live.ran = True
+            live.context = prepared.ctx
+            if consumer.is_async:
+                outcome = await call_async_handler(consumer, prepared, self.metrics)
+            else:
+                outcome = call_handler(consumer, prepared, self.metrics)
+            if isinstance(outcome, BaseException):
+                live.error = outcome
+            return outcome
+
+    def _record(self, live: _Live, settled: Settled, body: bytes) -> None:
+        publish_error = settled.publish_error
+        self.records.append(
+            Handled(
+                queue=settled.queue,
+                message_id=settled.message_id,
+                attempt=settled.attempt,
+                outcome=outcome_of(settled),
+                reason=_reason(settled.action),
+                action=settled.action,
+                ran=live.ran,
+                error=live.error,
+                context=live.context,
+                body=body,
+                at_ms=self.clock(),
+                publish_error=publish_error,
+            )
+        )
+
+    # -- leases ------------------------------------------------------------------------------
+
+    def _renew_while_held(self) -> None:
+        """Renew running handlers' leases on the virtual clock, only while some are held
+        (a `def` handler holds its lease for no virtual time at all)."""
+        if self._renewer is None or self._renewer.done():
+            self._renewer = self.broker.loop.create_task(self._renew())
+            self._renewer.add_done_callback(self._failed)
+
+    async def _renew(self) -> None:
+        guard = self.guard
+        assert guard is not None
+        while len(self.leases):
+            await asyncio.sleep(self.leases.every_ms / 2000)
+            self.renew_due(guard.renew)
+
+
+__all__ = ["MEMORY_URL", "Handled", "MemoryWorker", "Outcome", "outcome_of"]
