@@ -21,6 +21,7 @@ from typing import Any
 import pika
 import pytest
 from conftest import wait_for
+from worker_behaviour import Calls, handler
 from pydantic import BaseModel
 from typer.testing import CliRunner
 
@@ -38,7 +39,7 @@ from rabbit_delay.sync import Publisher, connect, declare
 from rabbit_delay.topology import Topology
 
 from ._publishers import toml_for
-from .workers.harness import HANDLER_KINDS, KINDS, Calls, RunningWorker, get_all, handler
+from .workers.harness import HANDLER_KINDS, KINDS, RunningWorker, get_all
 
 pytestmark = pytest.mark.integration
 
@@ -159,7 +160,7 @@ def purge(url: str, queue: str) -> int:
 def test_a_lost_due_message_is_found_and_handled_once(
     kind: str, declared: Topology, run_worker: Callable[..., RunningWorker], broker_url: str
 ) -> None:
-    topology, orders, calls = declared, Orders(), Calls()
+    topology, orders, calls = declared, Orders(), Calls(wait_for)
     app = app_for(kind, topology, orders, calls)
     add_reconciler(kind, app, orders)
     with Publisher(topology, broker_url) as publisher:
@@ -186,7 +187,7 @@ def test_a_message_that_was_not_lost_is_still_handled_once(
 ) -> None:
     """The reconciler re-submits an order whose original is still waiting (its table
     says the deadline passed): the copy runs the handler, the original is skipped."""
-    topology, orders, calls = declared, Orders(), Calls()
+    topology, orders, calls = declared, Orders(), Calls(wait_for)
     app = app_for(kind, topology, orders, calls)
     add_reconciler(kind, app, orders)
     with Publisher(topology, broker_url) as publisher:
@@ -248,7 +249,7 @@ def test_an_error_in_a_reconciler_never_stops_the_worker(
         failures.append(time.time())
         raise RuntimeError("the orders database is down")
 
-    calls = Calls()
+    calls = Calls(wait_for)
     app = App(declared)
     app.add_consumer(QUEUE, handler("sync", calls), model=CancelOrder)
     app.add_reconciler(broken, every="1s")
