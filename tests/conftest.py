@@ -287,3 +287,16 @@ def spans() -> Iterator[Spans]:
     yield Spans(exporter, trace, provider)
     tracing.configure(enabled=False)
     provider.shutdown()
+
+
+# Fixtures that start a scratch node (tests/integration/_scratch_node.py): a test using
+# one is marked `scratch` (the modules built on scratch nodes carry the mark themselves),
+# so a run can leave the node-starting tests out, e.g. CI on RabbitMQ 4.0:
+# `-m "not cluster and not scratch"`.
+SCRATCH_FIXTURES = frozenset({"scratch_node", "second_broker", "timeout_node"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if SCRATCH_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.scratch)

@@ -23,6 +23,7 @@ from rabbit_delay.consumer._lease import renew_every_ms
 from rabbit_delay.consumer._reconcile import (
     AsyncReconcileContext,
     Call,
+    Open,
     ReconcileContext,
     Reconciler,
     ReconcileResult,
@@ -81,12 +82,14 @@ async def arun_reconciler(
             except StopIteration as stop:
                 result: ReconcileResult = stop.value
                 break
-            if isinstance(step, Call):
+            if isinstance(step, Open):
                 try:
                     publisher = await connect()
-                except RabbitDelayError as exc:
+                    reply = None
+                except RabbitDelayError as exc:  # the run fails; the period record is kept
                     reply = exc
-                    continue
+            elif isinstance(step, Call):
+                assert publisher is not None
                 reply = await _call(app, guard, step, publisher)
             elif isinstance(step, Send):
                 assert publisher is not None

@@ -227,6 +227,12 @@ class StoreMark:
 
 
 @dataclass(slots=True)
+class Open:
+    """Open the run's publisher (a broker connection). Reply: None, or the
+    RabbitDelayError that says why it could not (the run then fails)."""
+
+
+@dataclass(slots=True)
 class Call:
     """Call the function; renew `key`'s claim (a lease) while it runs. Reply: the items it
     returned or yielded (a list, None for none), or its exception."""
@@ -243,7 +249,7 @@ class Send:
     outs: list[Outgoing]
 
 
-ReconcileStep = StoreClaim | StoreRelease | StoreMark | Call | Send
+ReconcileStep = StoreClaim | StoreRelease | StoreMark | Open | Call | Send
 ReconcileProgram = Generator[ReconcileStep, object, ReconcileResult]
 
 
@@ -281,10 +287,15 @@ def reconcile_program(
         if isinstance(locked, Exception):
             return _store_failed(name, locked)
         return ReconcileResult(name, False, "running elsewhere")
+    result = ReconcileResult(name, True)
+    # The run's start is the function's: the connection is opened before it, so that a
+    # slow connect does not bring the next run closer than `every` to this one.
+    opened = yield Open()
     start = clock()
     started = time.monotonic()
-    result = ReconcileResult(name, True)
-    items = yield Call(reconciler, running, owner)
+    items = opened
+    if not isinstance(opened, BaseException):
+        items = yield Call(reconciler, running, owner)
     outs: list[Outgoing] = []
     if isinstance(items, BaseException):
         result.error = f"{type(items).__name__}: {items}"

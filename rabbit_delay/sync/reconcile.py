@@ -18,6 +18,7 @@ from rabbit_delay.consumer._context import clock_ms
 from rabbit_delay.consumer._lease import renew_every_ms
 from rabbit_delay.consumer._reconcile import (
     Call,
+    Open,
     ReconcileContext,
     Reconciler,
     ReconcileResult,
@@ -74,12 +75,14 @@ def run_reconciler(
             except StopIteration as stop:
                 result: ReconcileResult = stop.value
                 break
-            if isinstance(step, Call):
+            if isinstance(step, Open):
                 try:
                     publisher = connect()
+                    reply = None
                 except RabbitDelayError as exc:  # the run fails; the period record is kept
                     reply = exc
-                    continue
+            elif isinstance(step, Call):
+                assert publisher is not None
                 reply = _call(app, guard, step, publisher)
             elif isinstance(step, Send):
                 assert publisher is not None

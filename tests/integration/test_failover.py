@@ -45,7 +45,11 @@ from ._scratch_node import ScratchNode, scratch_kind
 from .workers.harness import RunningWorker
 
 # The two scratch nodes are module-scoped: one pair for the run under `--dist loadgroup`.
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("failover-nodes")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.scratch,
+    pytest.mark.xdist_group("failover-nodes"),
+]
 
 load_commands()
 

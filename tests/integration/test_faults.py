@@ -48,7 +48,12 @@ from ._scratch_node import Collector, ScratchNode, scratch_kind, started_node
 from .workers.harness import RunningWorker
 
 # One node for the whole module under `--dist loadgroup` (CI): its tests run on one worker.
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("fault-node")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.scratch,
+    pytest.mark.slow,
+    pytest.mark.xdist_group("fault-node"),
+]
 
 QUEUE = "orders.cancel"
 TRANSPORTS = ("sync", "async")

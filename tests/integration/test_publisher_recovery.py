@@ -34,7 +34,11 @@ from rabbit_delay.topology import Topology, topology_from_dict
 from ._scratch_node import ScratchNode, scratch_kind, started_node
 
 # One node per module and xdist worker; under `--dist loadgroup` one for the whole run.
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("publisher-recovery-node")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.scratch,
+    pytest.mark.xdist_group("publisher-recovery-node"),
+]
 
 KINDS = ["sync", "aio"]
 TIER = "1h"

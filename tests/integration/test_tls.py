@@ -51,7 +51,7 @@ from ._scratch_node import ScratchNode, _free_base_port, _port_free, scratch_kin
 from .workers.harness import RunningWorker
 
 # One node per module and xdist worker; under `--dist loadgroup` one for the whole run.
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("tls-node")]
+pytestmark = [pytest.mark.integration, pytest.mark.scratch, pytest.mark.xdist_group("tls-node")]
 
 QUEUE = "orders.cancel"
 TLS_OFFSET = 5  # amqps on node port + 5, management https on node port + 10005

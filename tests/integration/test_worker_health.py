@@ -31,7 +31,11 @@ from rabbit_delay.topology import topology_from_dict
 from ._scratch_node import ScratchNode, scratch_kind, started_node
 from .workers.harness import KINDS, start_cli_worker
 
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("worker-health")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.scratch,
+    pytest.mark.xdist_group("worker-health"),
+]
 
 QUEUE = "orders.cancel"
 SERVING = re.compile(r"serving (?P<routes>[/a-z, ]+) on port (?P<port>\d+)")

@@ -14,6 +14,7 @@ from rabbit_delay.consumer._reconcile import (
     MAX_CHECK_MS,
     MIN_CHECK_MS,
     Call,
+    Open,
     ReconcileResult,
     ReconcileSchedule,
     Send,
@@ -26,7 +27,7 @@ from rabbit_delay.consumer._reconcile import (
     reconcile_program,
 )
 from rabbit_delay.delays import IMMEDIATE
-from rabbit_delay.errors import ConfigError, NackError
+from rabbit_delay.errors import ConfigError, ConnectionLost, NackError
 from rabbit_delay.idempotency import ClaimResult, MemoryStore
 from rabbit_delay.message import Outgoing
 from rabbit_delay.topology import topology_from_dict
@@ -63,6 +64,8 @@ class Driver:
         self.steps: list[object] = []
         self.send_reply: Callable[[list[Outgoing]], object] = lambda outs: None
         self.calls = 0
+        self.connect_ms = 0  # how long opening the run's publisher takes (virtual)
+        self.open_reply: object = None
 
     def run(self, name: str, owner: str, *, scheduled: bool = True) -> ReconcileResult:
         reconciler = self.app.reconcilers[name]
@@ -94,6 +97,9 @@ class Driver:
         if isinstance(step, StoreMark):
             store.cancel(step.key, now_ms=now, retention_ms=step.retention_ms)
             return None
+        if isinstance(step, Open):
+            self.clock.now += self.connect_ms
+            return self.open_reply
         if isinstance(step, Call):
             self.calls += 1
             ctx = ReconcileContext(step.reconciler.name, self.app, None, None)  # type: ignore[arg-type]
@@ -281,7 +287,15 @@ def test_a_run_publishes_what_it_returns_and_records_its_period(
         "mail-7",
     )
     kinds = [type(s).__name__ for s in driver.steps]
-    assert kinds == ["StoreClaim", "StoreClaim", "Call", "Send", "StoreMark", "StoreRelease"]
+    assert kinds == [
+        "StoreClaim",
+        "StoreClaim",
+        "Open",
+        "Call",
+        "Send",
+        "StoreMark",
+        "StoreRelease",
+    ]
     # the run claim is free again, the period record lives on
     running = reconcile_key(app.topology, "overdue", "running")
     period = reconcile_key(app.topology, "overdue", "period")
@@ -343,8 +357,8 @@ def test_the_cli_runs_it_now_whatever_its_period(app: App, driver: Driver, clock
     clock.now += 1_000
     cli = driver.run("overdue", "cli:1", scheduled=False)
     assert cli.ran
-    kinds = [type(s).__name__ for s in driver.steps[-5:]]
-    assert kinds == ["StoreClaim", "Call", "Send", "StoreMark", "StoreRelease"]
+    kinds = [type(s).__name__ for s in driver.steps[-6:]]
+    assert kinds == ["StoreClaim", "Open", "Call", "Send", "StoreMark", "StoreRelease"]
     # and it counts for the workers: a period from its own start
     clock.now += 600_000 - 1
     assert not driver.run("overdue", "w1:2").ran
@@ -423,6 +437,38 @@ def test_unconfirmed_resubmissions_are_reported(app: App, driver: Driver) -> Non
     assert result.resubmitted == ["order-1"]
     assert result.error is not None
     assert result.error.startswith("1 re-submission(s) not confirmed: nacked")
+
+
+def test_a_slow_connect_does_not_bring_the_next_run_closer_than_every(
+    app: App, driver: Driver, clock: Clock
+) -> None:
+    """The period counts from the function's start, after the publisher is open: a
+    connect that takes 5 s must not let the next run start 5 s early (seen as two runs
+    0.72 s apart with every=1s on a loaded machine)."""
+    starts: list[int] = []
+    app.add_reconciler(lambda ctx: starts.append(clock.now), every="1m", name="timed")
+    driver.connect_ms = 5_000
+    assert driver.run("timed", "w1:1").ran
+    clock.now = starts[0] + 60_000 - 1  # before the connect: 5 s past the period
+    driver.connect_ms = 0
+    assert not driver.run("timed", "w2:1").ran
+    clock.now = starts[0] + 60_000
+    assert driver.run("timed", "w2:1").ran
+    assert starts[1] - starts[0] >= 60_000
+
+
+def test_a_publisher_that_cannot_connect_fails_the_run_and_keeps_the_period(
+    app: App, driver: Driver, clock: Clock
+) -> None:
+    resubmit_two(app)
+    driver.open_reply = ConnectionLost("connection refused")
+    result = driver.run("overdue", "w1:1")
+    assert (result.ran, result.failed, driver.calls) == (True, True, 0)
+    assert result.error == "ConnectionLost: connection refused"
+    kinds = [type(s).__name__ for s in driver.steps]
+    assert kinds == ["StoreClaim", "StoreClaim", "Open", "StoreMark", "StoreRelease"]
+    clock.now += 1_000
+    assert driver.run("overdue", "w2:1").skipped == "ran within the last 10m"
 
 
 def test_a_failing_store_skips_the_run_and_says_why(app: App, driver: Driver) -> None:
