@@ -33,10 +33,9 @@ from rabbit_delay.consumer._reconcile import (
     StoreClaim,
     StoreMark,
     StoreRelease,
-    acollect,
-    collect,
+    acall,
+    call_def,
     count,
-    now_utc,
     reconcile_program,
     renewal_failed,
     run_claim_lost,
@@ -127,23 +126,21 @@ async def _call(app: App, guard: AsyncGuard, step: Call, publisher: AsyncPublish
     renewing = asyncio.create_task(_renew(guard, step.key, step.owner, reconciler.name))
     try:
         if reconciler.is_async:
-            ctx = AsyncReconcileContext(reconciler.name, app, now_utc(), publisher)
-            return await acollect(reconciler.fn(ctx))
-        loop = asyncio.get_running_loop()
-        blocking = ReconcileContext(
-            reconciler.name, app, now_utc(), _BlockingPublisher(publisher, loop)
+            return await acall(
+                reconciler,
+                lambda at: AsyncReconcileContext(reconciler.name, app, at, publisher),
+            )
+        blocking = _BlockingPublisher(publisher, asyncio.get_running_loop())
+        # on a thread of its own; the start is taken there, when the function is called
+        return await asyncio.to_thread(
+            call_def, reconciler, lambda at: ReconcileContext(reconciler.name, app, at, blocking)
         )
-        return await asyncio.to_thread(_call_def, reconciler, blocking)
     except Exception as exc:
         return exc
     finally:
         renewing.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await renewing
-
-
-def _call_def(reconciler: Reconciler, ctx: ReconcileContext) -> object:
-    return collect(reconciler.fn(ctx))  # the generator runs on this thread too
 
 
 async def _renew(guard: AsyncGuard, key: str, owner: str, name: str) -> None:

@@ -242,6 +242,15 @@ class Call:
     owner: str
 
 
+@dataclass(frozen=True, slots=True)
+class Called:
+    """The reply to `Call`: what the function gave (or its exception), and when it was
+    called (epoch ms), which is when the run started: the period counts from it."""
+
+    items: object
+    started_ms: int
+
+
 @dataclass(slots=True)
 class Send:
     """Publish `outs`, confirmed. Reply: None, or the PublishError / BrokerError."""
@@ -288,14 +297,19 @@ def reconcile_program(
             return _store_failed(name, locked)
         return ReconcileResult(name, False, "running elsewhere")
     result = ReconcileResult(name, True)
-    # The run's start is the function's: the connection is opened before it, so that a
-    # slow connect does not bring the next run closer than `every` to this one.
+    # The run's start is the function's (`Called.started_ms`, taken as it is called): the
+    # connection is opened before it and a thread may have to start, and neither may
+    # bring the next run closer than `every` to this one.
     opened = yield Open()
     start = clock()
     started = time.monotonic()
     items = opened
     if not isinstance(opened, BaseException):
-        items = yield Call(reconciler, running, owner)
+        called = yield Call(reconciler, running, owner)
+        if isinstance(called, Called):
+            items, start = called.items, called.started_ms
+        else:
+            items = called
     outs: list[Outgoing] = []
     if isinstance(items, BaseException):
         result.error = f"{type(items).__name__}: {items}"
@@ -400,6 +414,33 @@ def run_claim_lost(name: str) -> None:
         "another worker may run it beside this one",
         name,
     )
+
+
+def call_def(reconciler: Reconciler, context: Callable[[datetime], ReconcileContext]) -> Called:
+    """Call a `def` reconciler with the context made for this instant (its generator run
+    to its end here): the reply to `Call`, the function's exception included."""
+    started = now_utc()
+    try:
+        items = collect(reconciler.fn(context(started)))
+    except Exception as exc:
+        items = exc
+    return Called(items, _epoch_ms(started))
+
+
+async def acall(
+    reconciler: Reconciler, context: Callable[[datetime], AsyncReconcileContext]
+) -> Called:
+    """`call_def` for an `async def` reconciler (or an async generator function)."""
+    started = now_utc()
+    try:
+        items = await acollect(reconciler.fn(context(started)))
+    except Exception as exc:
+        items = exc
+    return Called(items, _epoch_ms(started))
+
+
+def _epoch_ms(at: datetime) -> int:
+    return int(at.timestamp() * 1000)
 
 
 def collect(items: object) -> object:

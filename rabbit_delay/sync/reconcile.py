@@ -28,9 +28,8 @@ from rabbit_delay.consumer._reconcile import (
     StoreClaim,
     StoreMark,
     StoreRelease,
-    collect,
+    call_def,
     count,
-    now_utc,
     reconcile_program,
     renewal_failed,
     run_claim_lost,
@@ -114,16 +113,15 @@ def _store(guard: Guard, step: StoreClaim | StoreRelease | StoreMark) -> object:
 
 
 def _call(app: App, guard: Guard, step: Call, publisher: Publisher) -> object:
-    """The function's items (its generator run to its end here), or its exception; the
-    run's claim renewed meanwhile."""
+    """`Called`: the function's items (its generator run to its end here) or its
+    exception, and when it was called; the run's claim renewed meanwhile."""
     reconciler = step.reconciler
-    ctx = ReconcileContext(reconciler.name, app, now_utc(), publisher)
     renewing = _Renewer(guard, step.key, step.owner, reconciler.name)
     renewing.start()
     try:
-        return collect(reconciler.fn(ctx))
-    except Exception as exc:
-        return exc
+        return call_def(
+            reconciler, lambda at: ReconcileContext(reconciler.name, app, at, publisher)
+        )
     finally:
         renewing.stop()
 

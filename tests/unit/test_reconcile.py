@@ -14,6 +14,7 @@ from rabbit_delay.consumer._reconcile import (
     MAX_CHECK_MS,
     MIN_CHECK_MS,
     Call,
+    Called,
     Open,
     ReconcileResult,
     ReconcileSchedule,
@@ -66,6 +67,8 @@ class Driver:
         self.calls = 0
         self.connect_ms = 0  # how long opening the run's publisher takes (virtual)
         self.open_reply: object = None
+        self.call_delay_ms = 0
+        self.reply_called = True  # reply to Call as the drivers do (False: the bare items)
 
     def run(self, name: str, owner: str, *, scheduled: bool = True) -> ReconcileResult:
         reconciler = self.app.reconcilers[name]
@@ -102,11 +105,14 @@ class Driver:
             return self.open_reply
         if isinstance(step, Call):
             self.calls += 1
+            self.clock.now += self.call_delay_ms  # e.g. a thread to start before the call
             ctx = ReconcileContext(step.reconciler.name, self.app, None, None)  # type: ignore[arg-type]
+            started = self.clock.now
             try:
-                return collect(step.reconciler.fn(ctx))
+                items: object = collect(step.reconciler.fn(ctx))
             except Exception as exc:
-                return exc
+                items = exc
+            return Called(items, started) if self.reply_called else items
         assert isinstance(step, Send)
         reply = self.send_reply(step.outs)
         if reply is None:
@@ -455,6 +461,27 @@ def test_a_slow_connect_does_not_bring_the_next_run_closer_than_every(
     clock.now = starts[0] + 60_000
     assert driver.run("timed", "w2:1").ran
     assert starts[1] - starts[0] >= 60_000
+
+
+def test_the_period_counts_from_when_the_function_was_called(
+    app: App, driver: Driver, clock: Clock
+) -> None:
+    """`Called.started_ms` is the run's start: a call that begins 5 s after the program
+    asked for it (a thread pool starting on a loaded machine: two runs of every=1s were
+    seen 0.85 s apart) still keeps the next run `every` after the function's start."""
+    starts: list[int] = []
+    app.add_reconciler(lambda ctx: starts.append(clock.now), every="1m", name="timed")
+    driver.call_delay_ms = 5_000
+    assert driver.run("timed", "w1:1").ran
+    driver.call_delay_ms = 0
+    clock.now = starts[0] + 60_000 - 1
+    assert not driver.run("timed", "w2:1").ran
+    clock.now = starts[0] + 60_000
+    assert driver.run("timed", "w2:1").ran
+    # a driver that replies with the bare items: the start is the program's own
+    driver.reply_called = False
+    clock.now += 60_000
+    assert driver.run("timed", "w1:1").ok
 
 
 def test_a_publisher_that_cannot_connect_fails_the_run_and_keeps_the_period(
