@@ -49,7 +49,7 @@ from rabbit_delay.ops.status import (
 from rabbit_delay.urls import redact
 
 if TYPE_CHECKING:
-    from rabbit_delay.sync.replay import Moved, Preview, ReplayReport
+    from rabbit_delay.sync.replay import Moved, Preview
 
 # Something needs a human: a missing object, messages in a parking lot or the catch-all, a
 # consumer on a delay buffer, a stuck buffer, a quorum queue without a majority.
@@ -248,19 +248,6 @@ def _preview_table(preview: Preview) -> Table:
     return table
 
 
-def _report_json(report: ReplayReport) -> dict[str, Any]:
-    return {
-        "dry_run": False,
-        "ok": report.ok,
-        "source": report.source,
-        "destination": report.destination,
-        "moved": len(report.moved),
-        "message_ids": [m.message_id for m in report.moved],
-        "left": [{"message_id": mid, "reason": why} for mid, why in report.left],
-        "error": report.error,
-    }
-
-
 # A replay of fewer messages than this is over before a bar would tell anything.
 PROGRESS_MIN = 50
 
@@ -415,7 +402,7 @@ def replay(
         raise typer.Exit(EXIT_OK)
 
     if as_json:
-        print_json(_report_json(report))
+        print_json(report.as_json())
     else:
         moved = f"moved {len(report.moved)} message(s) from {report.source} to {report.destination}"
         out.print(escape(moved))

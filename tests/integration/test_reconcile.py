@@ -21,9 +21,9 @@ from typing import Any
 import pika
 import pytest
 from conftest import wait_for
-from worker_behaviour import Calls, handler
 from pydantic import BaseModel
 from typer.testing import CliRunner
+from worker_behaviour import Calls, handler
 
 from rabbit_delay.cli._app import app as cli_app
 from rabbit_delay.cli._app import load_commands
