@@ -234,7 +234,9 @@ def overview(
         f"<dt>namespace</dt><dd>{e(status.namespace)}</dd>"
         f"<dt>management API</dt><dd>{e(redact(status.management_api))}</dd>"
         f"<dt>actions</dt><dd>{'on' if actions else 'off (read-only)'}</dd>"
-        "</dl></section>"
+        "</dl>"
+        + "".join(f'<p class="muted">{e(redact(note))}</p>' for note in status.notes)
+        + "</section>"
     )
     items = status.attention_items()
     parts.append('<section id="attention"><h2>Needs attention</h2><ul data-f="attention">')
@@ -244,8 +246,6 @@ def overview(
     parts.append(
         f'<p class="ok" data-f="all-ok"{" hidden" if items else ""}>nothing needs attention</p>'
     )
-    for note in status.notes:
-        parts.append(f'<p class="muted">{e(redact(note))}</p>')
     parts.append("</section>")
     parts.append(
         f'<section id="picture"><h2>Topology</h2>{svg_picture(picture(status, names))}</section>'

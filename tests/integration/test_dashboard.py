@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,10 +107,10 @@ class Running:
 Start = Callable[..., Running]
 
 
-@pytest.fixture
-def dashboard(broker_url: str) -> Iterator[Start]:
+@contextmanager
+def dashboards(broker_url: str) -> Iterator[Start]:
     """start(topology, **Dashboard options): declared, served on a free port, stopped
-    afterwards (the topology itself is deleted by make_topology)."""
+    at the end (the topology itself is deleted by make_topology)."""
     servers = []
 
     def start(topology: Topology, *, refresh_s: float = 30.0, **options: Any) -> Running:
@@ -122,10 +123,18 @@ def dashboard(broker_url: str) -> Iterator[Start]:
         base = f"http://127.0.0.1:{server.server_port}"
         return Running(board, backend, base, topology, broker_url)
 
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+
+
+@pytest.fixture
+def dashboard(broker_url: str) -> Iterator[Start]:
+    with dashboards(broker_url) as start:
+        yield start
 
 
 def parked(topology: Topology, queue: str, n: int, *, prefix: str = "p") -> list[Outgoing]:
