@@ -52,8 +52,11 @@ def browser() -> Iterator[Any]:
             f"{CHROMIUM} is missing: install Debian's chromium and chromium-driver "
             "(apt-get install -y chromium chromium-driver; .ci/test does it as root)"
         )
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright ([dev] extras)")
-    with sync_api.sync_playwright() as playwright:
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("playwright is missing: pip install -e '.[dev]' (it is a dev extra)")
+    with sync_playwright() as playwright:
         launched = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield launched
         launched.close()
