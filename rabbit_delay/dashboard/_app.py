@@ -455,6 +455,10 @@ def _static(name: str) -> Response:
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
     allow_reuse_address = True
+    # socketserver's default backlog is 5: a sixth page connecting at the same moment
+    # had its SYN dropped and retried a second later (measured: p99 1.07 s for 20
+    # clients, for a 136 ms read).
+    request_queue_size = 128
 
 
 class _Server6(_Server):
