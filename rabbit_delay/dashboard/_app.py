@@ -24,7 +24,6 @@ import re
 import secrets
 import socket
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
@@ -46,10 +45,12 @@ from rabbit_delay.ops.dashboard import (
     TOKEN_FIELD,
     TOKEN_HEADER,
     Auth,
+    Cached,
     Histogram,
     Poller,
     action_token_ok,
     age_s,
+    check_binding,
     is_loopback,
     lateness_histograms,
     page_bounds,
@@ -204,18 +205,13 @@ class Dashboard:
 
     # -- who may ask ----------------------------------------------------------------------
 
-    def _allowed_hosts(self) -> set[str]:
-        port = self.port
-        names = {self.host, "127.0.0.1", "localhost", "[::1]"}
-        return {f"{n}:{port}" for n in names} | names
-
     def refuse(self, environ: WSGIEnvironment) -> Response | None:
         """Why this request may not be answered at all, or None."""
         if self.auth is None:
             # Loopback without auth: a web page elsewhere must not reach it through a
             # DNS name rebound to 127.0.0.1; only loopback Host headers are answered.
             host = str(environ.get("HTTP_HOST") or "").lower()
-            if host not in self._allowed_hosts() and not _loopback_host(host):
+            if not _loopback_host(host):
                 return _error("421 Misdirected Request", f"unexpected Host {host!r}", "host")
             return None
         if not self.auth.allows(environ.get("HTTP_AUTHORIZATION")):
@@ -405,10 +401,8 @@ def _loopback_host(host: str) -> bool:
     return is_loopback(name.strip("[]"))
 
 
-def _status_state(state: Any) -> Any:
-    """The snapshot's state with the Status as its value (what the overview renders)."""
-    from rabbit_delay.ops.dashboard import Cached
-
+def _status_state(state: Cached[Snapshot]) -> Cached[Status]:
+    """The snapshot's state with its Status as the value (what the overview renders)."""
     snap = state.value
     return Cached(
         snap.status if snap is not None else None,
@@ -478,7 +472,9 @@ class _Handler(WSGIRequestHandler):
 
 def serve(dashboard: Dashboard, host: str, port: int) -> tuple[WSGIServer, threading.Thread]:
     """Serve `dashboard` on host:port from a daemon thread (port 0: a free port, see
-    `server.server_port`). Raises OSError when the address is taken."""
+    `server.server_port`). Raises ConfigError for anything but loopback without auth,
+    OSError when the address is taken."""
+    check_binding(host, dashboard.auth)
     server_class = _Server6 if ":" in host else _Server
     server = make_server(host, port, dashboard, server_class=server_class, handler_class=_Handler)
     dashboard.port = server.server_port
@@ -487,11 +483,6 @@ def serve(dashboard: Dashboard, host: str, port: int) -> tuple[WSGIServer, threa
     )
     thread.start()
     return server, thread
-
-
-def wait_forever(poll_s: float = 3600.0) -> None:  # pragma: no cover (the CLI's loop)
-    while True:
-        time.sleep(poll_s)
 
 
 __all__ = ["CSP", "Backend", "Dashboard", "Response", "Snapshot", "scrape", "serve"]
