@@ -326,6 +326,15 @@ def replay(
             help="Re-route the catch-all's messages to their original target instead.",
         ),
     ] = False,
+    message_id: Annotated[
+        str | None,
+        typer.Option(
+            "--message-id",
+            help="Replay only the (oldest) parked message with this id; the others stay, in "
+            "their order. Exit code 1 when no parked message has it.",
+            show_default=False,
+        ),
+    ] = None,
     url: UrlOpt = None,
     management_url: _UnusedMgmtOpt = None,
     no_management: _UnusedNoMgmtOpt = False,
@@ -348,6 +357,11 @@ def replay(
 
     if tier is not None and now:
         fail("give either --tier or --now, not both")
+    if message_id is not None and (unroutable or dry_run or limit is not None):
+        fail(
+            "--message-id replays one parked message: not with --unroutable, --dry-run or "
+            "--limit (`rabbit-delay parked show QUEUE ID` shows it)"
+        )
     if unroutable:
         if tier is not None:
             fail("--tier does not apply to --unroutable: catch-all messages are already due")
@@ -385,7 +399,13 @@ def replay(
                     else:
                         assert queue is not None
                         report = replay_parked(
-                            connection, topology, queue, tier=tier, limit=limit, progress=advance
+                            connection,
+                            topology,
+                            queue,
+                            tier=tier,
+                            limit=limit,
+                            progress=advance,
+                            message_id=message_id,
                         )
         finally:
             close_quietly(connection)
@@ -413,6 +433,10 @@ def replay(
         if as_json:
             raise typer.Exit(EXIT_ERROR)
         fail(report.error)
+    if message_id is not None and not report.moved:
+        if as_json:
+            raise typer.Exit(EXIT_ERROR)
+        fail(f"no message with id {message_id!r} in {report.source}: nothing was replayed")
     raise typer.Exit(EXIT_OK)
 
 
