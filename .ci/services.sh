@@ -15,6 +15,10 @@
 #   ensure_postgres     PostgreSQL accepting connections on 127.0.0.1:$RD_PG_PORT (5432), database
 #                       $RD_PG_DB (test) present: the outbox tests and bench_outbox use it. When
 #                       down: the machine's cluster is started (pg_ctlcluster), else one error
+#   ensure_chromium     Debian's chromium and chromium-driver (/usr/bin/chromium), which the
+#                       dashboard's browser test drives: installed with apt-get when missing
+#                       and we are root; otherwise a warning (the test then fails, naming
+#                       what to install: it is never skipped)
 
 RD_AMQP_HOST=${RD_AMQP_HOST:-127.0.0.1}
 RD_AMQP_PORT=${RD_AMQP_PORT:-5672}
@@ -191,4 +195,26 @@ ensure_postgres() {
     wait_for 60 "PostgreSQL on port $RD_PG_PORT" postgres_answers || return 1
     _postgres_database || return 1
     _say "PostgreSQL is up"
+}
+
+RD_CHROMIUM=${RD_CHROMIUM:-/usr/bin/chromium}
+
+ensure_chromium() {
+    if [ -x "$RD_CHROMIUM" ]; then
+        _say "Chromium: $("$RD_CHROMIUM" --version 2>/dev/null || echo "$RD_CHROMIUM")"
+        return 0
+    fi
+    if [ "$(id -u 2>/dev/null)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        _say "no $RD_CHROMIUM: apt-get install -y chromium chromium-driver (for the dashboard's browser test)"
+        if ! DEBIAN_FRONTEND=noninteractive timeout "$RD_INSTALL_TIMEOUT" apt-get install -y -qq chromium chromium-driver; then
+            # a stale package list: refresh it once, then try again
+            { timeout "$RD_INSTALL_TIMEOUT" apt-get update -qq \
+                && DEBIAN_FRONTEND=noninteractive timeout "$RD_INSTALL_TIMEOUT" apt-get install -y -qq chromium chromium-driver; } \
+                || _die "apt-get install chromium chromium-driver failed" || return 1
+        fi
+        [ -x "$RD_CHROMIUM" ] || _die "$RD_CHROMIUM is still missing after apt-get install chromium" || return 1
+        _say "Chromium installed: $("$RD_CHROMIUM" --version 2>/dev/null || echo "$RD_CHROMIUM")"
+        return 0
+    fi
+    _say "WARNING: no $RD_CHROMIUM and cannot install it here (needs root and apt-get): the dashboard's browser test will fail; install Debian's chromium and chromium-driver"
 }

@@ -257,6 +257,7 @@ def load_commands() -> None:
     """Import the command modules (each registers its commands on `app`)."""
     from rabbit_delay.cli import (  # noqa: F401
         commands,
+        dashboard,
         delete,
         ops,
         parked,

@@ -49,7 +49,7 @@ from rabbit_delay.ops.status import (
 from rabbit_delay.urls import redact
 
 if TYPE_CHECKING:
-    from rabbit_delay.sync.replay import Moved, Preview, ReplayReport
+    from rabbit_delay.sync.replay import Moved, Preview
 
 # Something needs a human: a missing object, messages in a parking lot or the catch-all, a
 # consumer on a delay buffer, a stuck buffer, a quorum queue without a majority.
@@ -248,19 +248,6 @@ def _preview_table(preview: Preview) -> Table:
     return table
 
 
-def _report_json(report: ReplayReport) -> dict[str, Any]:
-    return {
-        "dry_run": False,
-        "ok": report.ok,
-        "source": report.source,
-        "destination": report.destination,
-        "moved": len(report.moved),
-        "message_ids": [m.message_id for m in report.moved],
-        "left": [{"message_id": mid, "reason": why} for mid, why in report.left],
-        "error": report.error,
-    }
-
-
 # A replay of fewer messages than this is over before a bar would tell anything.
 PROGRESS_MIN = 50
 
@@ -339,6 +326,15 @@ def replay(
             help="Re-route the catch-all's messages to their original target instead.",
         ),
     ] = False,
+    message_id: Annotated[
+        str | None,
+        typer.Option(
+            "--message-id",
+            help="Replay only the (oldest) parked message with this id; the others stay, in "
+            "their order. Exit code 1 when no parked message has it.",
+            show_default=False,
+        ),
+    ] = None,
     url: UrlOpt = None,
     management_url: _UnusedMgmtOpt = None,
     no_management: _UnusedNoMgmtOpt = False,
@@ -361,6 +357,11 @@ def replay(
 
     if tier is not None and now:
         fail("give either --tier or --now, not both")
+    if message_id is not None and (unroutable or dry_run or limit is not None):
+        fail(
+            "--message-id replays one parked message: not with --unroutable, --dry-run or "
+            "--limit (`rabbit-delay parked show QUEUE ID` shows it)"
+        )
     if unroutable:
         if tier is not None:
             fail("--tier does not apply to --unroutable: catch-all messages are already due")
@@ -398,7 +399,13 @@ def replay(
                     else:
                         assert queue is not None
                         report = replay_parked(
-                            connection, topology, queue, tier=tier, limit=limit, progress=advance
+                            connection,
+                            topology,
+                            queue,
+                            tier=tier,
+                            limit=limit,
+                            progress=advance,
+                            message_id=message_id,
                         )
         finally:
             close_quietly(connection)
@@ -415,7 +422,7 @@ def replay(
         raise typer.Exit(EXIT_OK)
 
     if as_json:
-        print_json(_report_json(report))
+        print_json(report.as_json())
     else:
         moved = f"moved {len(report.moved)} message(s) from {report.source} to {report.destination}"
         out.print(escape(moved))
@@ -426,6 +433,10 @@ def replay(
         if as_json:
             raise typer.Exit(EXIT_ERROR)
         fail(report.error)
+    if message_id is not None and not report.moved:
+        if as_json:
+            raise typer.Exit(EXIT_ERROR)
+        fail(f"no message with id {message_id!r} in {report.source}: nothing was replayed")
     raise typer.Exit(EXIT_OK)
 
 

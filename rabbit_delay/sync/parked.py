@@ -12,7 +12,7 @@ from __future__ import annotations
 import pika
 
 from rabbit_delay.ops.parked import ParkedDetail, ParkedPage, check_page, find, page
-from rabbit_delay.replay import resolve_queue
+from rabbit_delay.replay import Stored, resolve_queue
 from rabbit_delay.sync._errors import mapped
 from rabbit_delay.sync.replay import peek, require_queue
 from rabbit_delay.topology import Topology
@@ -56,14 +56,24 @@ def list_parked(
     return page(logical, lot, total, offset, limit, found)
 
 
+def peek_lot(
+    connection: pika.BlockingConnection, topology: Topology, queue: str
+) -> tuple[str, str, list[Stored]]:
+    """(logical queue, parking-lot name, every message of the lot in order), nothing
+    moved: what a dashboard pages through without reading the lot again for each page.
+    Raises what `parked_count` raises."""
+    logical, lot = parking_lot(topology, queue)
+    total = require_queue(connection, lot, "parking lot", unchanged="nothing was read").ready
+    return logical, lot, peek(connection, lot, total) if total else []
+
+
 def show_parked(
     connection: pika.BlockingConnection, topology: Topology, queue: str, message_id: str
 ) -> tuple[int, list[ParkedDetail]]:
     """(messages in the lot, every parked message of `queue` with this id, in full),
     read from the whole lot, nothing moved. Raises what `parked_count` raises."""
-    _, lot = parking_lot(topology, queue)
-    total = require_queue(connection, lot, "parking lot", unchanged="nothing was read").ready
-    return total, find(peek(connection, lot, total) if total else [], message_id)
+    _, _, messages = peek_lot(connection, topology, queue)
+    return len(messages), find(messages, message_id)
 
 
 def purge_parked(connection: pika.BlockingConnection, topology: Topology, queue: str) -> int:
@@ -83,4 +93,11 @@ def purge_parked(connection: pika.BlockingConnection, topology: Topology, queue:
     return int(ok.method.message_count or 0)
 
 
-__all__ = ["list_parked", "parked_count", "parking_lot", "purge_parked", "show_parked"]
+__all__ = [
+    "list_parked",
+    "parked_count",
+    "parking_lot",
+    "peek_lot",
+    "purge_parked",
+    "show_parked",
+]

@@ -14,6 +14,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pika
 import pika.exceptions
@@ -67,6 +68,19 @@ class ReplayReport:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    def as_json(self) -> dict[str, Any]:
+        """What `replay --json` prints (and the dashboard answers)."""
+        return {
+            "dry_run": False,
+            "ok": self.ok,
+            "source": self.source,
+            "destination": self.destination,
+            "moved": len(self.moved),
+            "message_ids": [m.message_id for m in self.moved],
+            "left": [{"message_id": mid, "reason": why} for mid, why in self.left],
+            "error": self.error,
+        }
 
 
 def _passive(connection: pika.BlockingConnection, queue: str) -> PassiveCounts | None:
@@ -371,12 +385,15 @@ def replay_parked(
     tier: str | None = None,
     limit: int | None = None,
     progress: Progress | None = None,
+    message_id: str | None = None,
 ) -> ReplayReport:
     """Move messages from `queue`'s parking lot back to the business queue, as first
     attempts: at once (tier None) or after `tier`.
 
     Replays at most `limit` messages, and never more than the parking lot held at the
-    start (a message parked again during the run waits for the next one).
+    start (a message parked again during the run waits for the next one). With
+    `message_id`, only the oldest message with that id (the others stay, in their
+    order; none moved when no message has it).
 
     Raises UnknownTargetError / DelayError for a bad queue or tier, MissingObjectError
     when the parking lot or the business queue does not exist (nothing is moved: a
@@ -391,10 +408,16 @@ def replay_parked(
     if budget <= 0:
         return report
 
-    def build(msg: Stored) -> Outgoing | str:
+    def build(msg: Stored) -> Outgoing | str | None:
+        if message_id is not None and msg.message_id != message_id:
+            return None  # not the one asked for: stays, unreported
         return plan.outgoing(msg, now_ms())
 
-    _move(connection, topology, plan.parking_queue, budget, budget, build, report, progress)
+    if message_id is None:
+        gets, moved_max = budget, budget
+    else:
+        gets, moved_max = held.ready, 1
+    _move(connection, topology, plan.parking_queue, gets, moved_max, build, report, progress)
     return report
 
 
@@ -457,12 +480,13 @@ def _move(
     source: str,
     gets: int,
     moved_max: int,
-    build: Callable[[Stored], Outgoing | str],
+    build: Callable[[Stored], Outgoing | str | None],
     report: ReplayReport,
     progress: Progress | None,
 ) -> None:
     """basic.get up to `gets` messages from `source`; publish what `build` makes of each
-    (a str: leave it, for that reason) until `moved_max` were moved."""
+    (a str: leave it, for that reason; None: leave it, not reported) until `moved_max`
+    were moved."""
     channel: BlockingChannel | None = None
     publisher: Publisher | None = None
     held: list[int] = []  # delivery tags got and not acked on `channel`, in queue order
@@ -479,6 +503,8 @@ def _move(
             held.append(tag)
             msg = _stored(method, props, body)
             out = build(msg)
+            if out is None:
+                continue  # held unacked like a left message, put back in order below
             if isinstance(out, str):
                 # Held unacked, so the next get returns the next message; put back at the end.
                 report.left.append((msg.message_id, out))

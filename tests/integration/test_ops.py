@@ -480,6 +480,23 @@ def test_replay_limit(ops: Ops) -> None:
     assert [p.message_id for p, _ in ops.drain(n.business_queue("push"))] == ["p0", "p1"]
 
 
+def test_replay_one_message_by_id(ops: Ops) -> None:
+    n = ops.names
+    ops.park("push", 40)  # past 32: the others go back in order, 32 at a time
+    result = ops.run("replay", "push", "--message-id", "p7", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["message_ids"] == ["p7"]
+    wait_for(lambda: ops.count(n.business_queue("push")) == 1, timeout=5)
+    left = [p.message_id for p, _ in ops.drain(n.parking_queue("push"))]
+    assert left == [f"p{i}" for i in range(40) if i != 7]
+    missing = ops.run("replay", "push", "--message-id", "p7")
+    assert missing.exit_code == 1
+    assert "no message with id 'p7'" in missing.stderr
+    both = ops.run("replay", "push", "--message-id", "p1", "--dry-run")
+    assert both.exit_code == 1
+    assert "not with --unroutable, --dry-run or --limit" in both.stderr
+
+
 def test_dry_run_changes_nothing(ops: Ops) -> None:
     n = ops.names
     ops.park("orders.cancel", 2)

@@ -42,9 +42,10 @@ COMMANDS = {
     "replay": ["replay", "push"],
     "publish": ["publish", "{}", "-q", "push", "-t", "1s"],
     "permissions": ["permissions", "worker"],
+    "dashboard": ["dashboard"],
 }
 # The commands that also take the file as their FILE argument (as they always did).
-POSITIONAL = ("plan", "declare", "status", "replay")
+POSITIONAL = ("plan", "declare", "status", "replay", "dashboard")
 GOOD_TOML = 'namespace = "shop"\n[tiers]\n1s = "1s"\n[queues.push]\n'
 
 
