@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -110,6 +111,27 @@ DELETE FROM {t} WHERE key IN ({keys}) AND state = 'claimed' AND (key, owner) IN 
 _READ_ROWS = "SELECT key, state, owner, expires_at FROM {t} WHERE key IN ({keys})"
 
 
+def _use_wal(conn: sqlite3.Connection, busy_timeout_s: float) -> None:
+    """Switch the file to WAL (it stays so). Changing the journal mode takes a lock that
+    SQLite's busy handler does not wait for: when several stores open one new file at
+    once, the others get "database is locked" at once. So: nothing to do when it is WAL
+    already, else try again, for up to the busy timeout."""
+    deadline = time.monotonic() + max(busy_timeout_s, 0.1)
+    while True:
+        try:
+            (mode,) = conn.execute("PRAGMA journal_mode").fetchone()
+            if str(mode).lower() == "wal":
+                return
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)
+
+
 class SQLiteStore:
     """Claims, done-records and tombstones in one SQLite table (WAL, `synchronous=NORMAL`).
 
@@ -150,7 +172,7 @@ class SQLiteStore:
             self.path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
         )
         try:
-            self._conn.execute("PRAGMA journal_mode=WAL")
+            _use_wal(self._conn, busy_timeout_s)
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.execute(_SCHEMA.format(t=table))
         except BaseException:

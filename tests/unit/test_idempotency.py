@@ -216,6 +216,33 @@ def test_sqlite_uses_wal_and_synchronous_normal(tmp_path: Path) -> None:
         assert store._conn.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
 
 
+def test_sqlite_stores_opening_one_new_file_at_once_all_open(tmp_path: Path) -> None:
+    """Workers started together on one new file: switching it to WAL takes a lock that
+    SQLite's busy handler does not wait for, so one of them failed with "database is
+    locked" at start (seen in CI: a worker process exited with 1)."""
+    errors: list[str] = []
+    for round_ in range(20):
+        path = tmp_path / f"store-{round_}.sqlite3"
+        barrier = threading.Barrier(6)
+
+        def open_one(path: Path = path, barrier: threading.Barrier = barrier) -> None:
+            barrier.wait()
+            try:
+                SQLiteStore(path).close()
+            except sqlite3.Error as exc:
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=open_one) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []
+    with SQLiteStore(tmp_path / "store-0.sqlite3") as store:
+        (mode,) = store._conn.execute("PRAGMA journal_mode").fetchone()
+    assert mode == "wal"
+
+
 def test_sqlite_rejects_a_table_name_that_is_not_an_identifier(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="table name"):
         SQLiteStore(tmp_path / "idem.sqlite3", table="x; DROP TABLE y")
