@@ -426,11 +426,14 @@ def summarise(series: list[Series]) -> dict[str, Any]:
 # -- phases -----------------------------------------------------------------------------
 
 
-def shard_phase(urls: list[str], sizes: Sizes, log: Log) -> dict[str, Any]:
-    """shards = 1, 2, 4, 8 interleaved; publish to and consume from the first URL."""
+def shard_phase(
+    urls: list[str], sizes: Sizes, log: Log, shards: tuple[int, ...] = SHARDS
+) -> dict[str, Any]:
+    """shards = 1, 2, 4, 8 (or `shards`) interleaved; publish to and consume from the
+    first URL. The first count is the baseline of the ratios."""
     url = urls[0]
     tiers = {TIER: f"{sizes.tier_s}s"}
-    series = [Series(f"shards={n}", make_topology(tiers, n)) for n in SHARDS]
+    series = [Series(f"shards={n}", make_topology(tiers, n)) for n in shards]
     try:
         for s in series:
             declare(url, s.topology)
@@ -645,6 +648,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help=f"msg/s of the paced phase (default {PACED_RATE:,})",
     )
+    parser.add_argument(
+        "--shards",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="shard counts of the node and cluster phases, the first the baseline "
+        "(default 1 2 4 8)",
+    )
     parser.add_argument("--strict", action="store_true", help="exit 1 when the target is missed")
     args = parser.parse_args(argv)
     # A kill (TERM) still runs every `finally`: topologies deleted, scratch nodes removed.
@@ -660,6 +671,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.pending and args.quick:
         parser.error("--pending is for a full run only (drop --quick)")
     only = set(args.only or PHASES)
+    shards = tuple(args.shards) if args.shards else SHARDS
+    if any(n < 1 for n in shards):
+        parser.error("--shards: each count must be at least 1")
     url = broker_url(args.url)
 
     def log(line: str) -> None:
@@ -672,20 +686,20 @@ def main(argv: list[str] | None = None) -> int:
             "messages": sizes.messages,
             "rounds": sizes.rounds,
             "tier_s": sizes.tier_s,
-            "shards": list(SHARDS),
+            "shards": list(shards),
             "broker_version": broker_version(url),
         }
     }
     phases: list[tuple[str, Callable[[], dict[str, Any]]]] = []
     if "node" in only:
-        phases.append(("node", lambda: shard_phase([url], sizes, log)))
+        phases.append(("node", lambda: shard_phase([url], sizes, log, shards)))
     if not args.quick and "paced" in only:
         phases.append(("paced", lambda: paced_phase(url, sizes, args.rate, log)))
     if args.cluster and "cluster" in only:
 
         def cluster() -> dict[str, Any]:
             with scratch_cluster(args.cluster, log) as urls:
-                out = shard_phase(urls, sizes, log)
+                out = shard_phase(urls, sizes, log, shards)
                 out["broker"] = f"3-node cluster ({args.cluster}) {broker_version(urls[0])}"
                 return out
 
