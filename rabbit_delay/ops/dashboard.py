@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rabbit_delay.errors import ConfigError
 from rabbit_delay.metrics import NAMESPACE
 from rabbit_delay.names import Names
-from rabbit_delay.ops.parked import DEFAULT_LIMIT
+from rabbit_delay.ops.parked import DEFAULT_LIMIT, check_page
 from rabbit_delay.ops.status import QueueRow, Role, Status
 
 DEFAULT_PORT = 8765
@@ -153,17 +153,13 @@ def page_bounds(offset: str | None, limit: str | None) -> tuple[int, int]:
         if text is None or text == "":
             return default
         try:
-            value = int(text)
+            return int(text)
         except ValueError:
             raise ConfigError(f"{name} {text!r} is not a whole number") from None
-        if value < 0:
-            raise ConfigError(f"{name} {value} is negative")
-        return value
 
     start = number(offset, "offset", 0)
     size = number(limit, "limit", DEFAULT_LIMIT)
-    if size < 1:
-        raise ConfigError("limit 0: a page holds at least 1 message")
+    check_page(start, size)  # the rule `parked list` applies
     return start, min(size, MAX_PAGE)
 
 

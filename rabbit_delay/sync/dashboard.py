@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+
+import pika
 
 from rabbit_delay.ops.dashboard import Poller
 from rabbit_delay.ops.parked import ParkedDetail, ParkedPage, check_page, find, page
@@ -73,6 +76,15 @@ class BrokerBackend:
 
     # -- parking lots -----------------------------------------------------------------------
 
+    @contextmanager
+    def _connection(self) -> Iterator[pika.BlockingConnection]:
+        """A connection of this operation's own (the first of the URLs that answers)."""
+        connection, _ = connect_first(self.urls, name=NAME)
+        try:
+            yield connection
+        finally:
+            close_quietly(connection)
+
     def _lock(self, lot: str) -> threading.Lock:
         with self._guard:
             return self._locks.setdefault(lot, threading.Lock())
@@ -84,12 +96,8 @@ class BrokerBackend:
             if poller is None:
 
                 def read() -> Lot:
-                    with self._lock(lot):
-                        connection, _ = connect_first(self.urls, name=NAME)
-                        try:
-                            q, name, messages = peek_lot(connection, self.topology, logical)
-                        finally:
-                            close_quietly(connection)
+                    with self._lock(lot), self._connection() as connection:
+                        q, name, messages = peek_lot(connection, self.topology, logical)
                     return Lot(q, name, tuple(messages))
 
                 # Errors are raised to the caller here, not kept: a page needs the lot.
@@ -130,14 +138,10 @@ class BrokerBackend:
         report's `error`."""
         _, lot = parking_lot(self.topology, queue)
         try:
-            with self._lock(lot):
-                connection, _ = connect_first(self.urls, name=NAME)
-                try:
-                    report = replay_parked(
-                        connection, self.topology, queue, tier=tier, message_id=message_id
-                    )
-                finally:
-                    close_quietly(connection)
+            with self._lock(lot), self._connection() as connection:
+                report = replay_parked(
+                    connection, self.topology, queue, tier=tier, message_id=message_id
+                )
         finally:
             self.forget(queue)
         log.info(
@@ -155,12 +159,8 @@ class BrokerBackend:
         """(parking-lot name, messages purged). Raises what `purge_parked` raises."""
         _, lot = parking_lot(self.topology, queue)
         try:
-            with self._lock(lot):
-                connection, _ = connect_first(self.urls, name=NAME)
-                try:
-                    purged = purge_parked(connection, self.topology, queue)
-                finally:
-                    close_quietly(connection)
+            with self._lock(lot), self._connection() as connection:
+                purged = purge_parked(connection, self.topology, queue)
         finally:
             self.forget(queue)
         log.info("purged %d message(s) from %s", purged, lot)
