@@ -141,6 +141,9 @@ def dashboard(
         server, thread = serve(board, host, port)
     except OSError as exc:
         fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}", kind="OSError")
+    # Before the start line: a SIGTERM sent as soon as it is read stops cleanly.
+    stop = threading.Event()
+    restore = install_stop_signals(lambda _name: stop.set())
     line = start_message(
         host,
         server.server_port,
@@ -166,8 +169,6 @@ def dashboard(
     else:
         out.print(line, markup=False)
     log.info("%s", line)
-    stop = threading.Event()
-    restore = install_stop_signals(lambda _name: stop.set())
     try:
         while not stop.wait(0.5):
             pass
