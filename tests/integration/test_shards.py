@@ -3,7 +3,9 @@
 One tier of 4 buffers (1 s): messages published by both publishers are spread over the
 shards by message_id, every one arrives in its business queue, never before its
 `rd-due-at`, through the buffer its id hashes to (the broker's `x-death` record names
-the buffer a message was dead-lettered from). Then: `plan` is clean, a lowered shard
+the buffer a message was dead-lettered from). A worker's retries (both workers) and
+`replay --tier` of parked messages take the same shards, and `status` lists every
+shard. Then: `plan` is clean, a lowered shard
 count leaves the buffers past it as `extra`, and placement arguments are declared on
 new queues but never a conflict on existing ones.
 """
@@ -15,20 +17,29 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from conftest import message_count, wait_for
 
 from rabbit_delay import names as h
+from rabbit_delay.consumer import App, HandlerContext
 from rabbit_delay.delays import shard_index
+from rabbit_delay.idempotency import MemoryStore
 from rabbit_delay.management import read_observed
+from rabbit_delay.ops.status import Role
 from rabbit_delay.plan import Action, Kind
+from rabbit_delay.sync import connect
+from rabbit_delay.sync.replay import replay_parked
+from rabbit_delay.sync.status import read_status
 from rabbit_delay.topology import Topology
 from rabbit_delay.urls import ManagementEndpoint
 
 from ._publishers import Collector, Transport, broker_state, open_transport, queue_info
+from .workers.harness import KINDS, RunningWorker
 
 pytestmark = pytest.mark.integration
 
 SHARDS = 4
 PER_PUBLISHER = 150  # publish_many per transport, plus a few publish_delayed
+RETRIED = 40  # messages a worker fails twice (a retry through the tier, then parked)
 
 
 @pytest.fixture
@@ -174,3 +185,69 @@ def test_placement_added_to_an_existing_topology_is_never_a_conflict(
     assert plan.in_sync
     notes = [n for i in plan.items for n in i.notes]
     assert any("x-queue-leader-locator unset on the broker" in n for n in notes)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_retries_replays_and_status_go_through_the_shard_of_each_id(
+    kind: str,
+    transports: dict[str, Transport],
+    make_topology: Any,
+    broker_url: str,
+) -> None:
+    """A worker's retries through a sharded tier, then `replay --tier` of the parked
+    messages: each copy is dead-lettered by the buffer its id hashes to (x-death), every
+    shard is used, nothing is lost; `status` lists every shard as a tier buffer."""
+    topology = make_topology(
+        tiers={"1s": "1s"},
+        queues={"orders.cancel": {"retry": {"tiers": ["1s"], "max_attempts": 2}}},
+        scaling={"tier_shards": {"1s": SHARDS}},
+    )
+    shards = topology.tier_queues("1s")
+    transports["sync"].declare(topology)
+    queue = "orders.cancel"
+
+    retried: dict[str, str] = {}  # message_id -> the buffer its retry came from
+
+    def always_fails(message: Any, ctx: HandlerContext) -> None:
+        if ctx.attempt == 2:
+            retried[ctx.message_id] = death_queue(dict(ctx.headers))
+        raise ValueError("payment service down")
+
+    app = App(topology, store=MemoryStore())
+    app.add_consumer(queue, always_fails)
+    worker = RunningWorker(kind, app, broker_url).start()
+    try:
+        ids = (
+            transports["sync"]
+            .publisher(topology)
+            .publish_many([{"n": i} for i in range(RETRIED)], "1s", queue=queue)
+        )
+        parking = topology.names.parking_queue(queue)
+        wait_for(lambda: message_count(broker_url, parking) == RETRIED, 30, "every id parked")
+    finally:
+        worker.stop()
+    assert set(retried) == set(ids), "a retry was lost or not seen"
+    for message_id, buffer in retried.items():
+        assert buffer == shards[shard_index(message_id, SHARDS)], message_id
+    assert set(retried.values()) == set(shards), "a shard got no retry"
+
+    # `status`: every shard is a tier buffer of the topology, each one read.
+    status = read_status(topology, [broker_url], no_management=True)
+    buffers = [r.name for r in status.rows if r.role is Role.BUFFER]
+    assert buffers == list(shards)
+    assert all(r.exists for r in status.rows if r.role is Role.BUFFER)
+
+    # `replay --tier 1s`: every parked message back through the shard of its id.
+    business = topology.names.business_queue(queue)
+    with Collector(broker_url, [business]) as collector:
+        connection = connect(broker_url)
+        try:
+            report = replay_parked(connection, topology, queue, tier="1s")
+        finally:
+            connection.close()
+        assert report.error is None, report.error
+        collector.wait_for(ids, timeout=20)
+    replayed = {a.message_id: death_queue(a.headers) for a in collector.arrivals}
+    assert set(replayed) == set(ids)
+    for message_id, buffer in replayed.items():
+        assert buffer == shards[shard_index(message_id, SHARDS)], message_id
