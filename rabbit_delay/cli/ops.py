@@ -5,9 +5,9 @@ this module reads (rabbit_delay.sync.status) and renders."""
 
 from __future__ import annotations
 
-import time
+import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from rabbit_delay._signals import install_stop_signals
 from rabbit_delay.cli._app import (
     EXIT_ERROR,
     EXIT_OK,
@@ -122,19 +123,35 @@ def render_status(status: Status) -> Group:
 
 
 def _watch(read: Callable[[], Status], interval_ms: int) -> None:
-    """Re-read and re-render until Ctrl-C; a broker that stops answering is shown in
-    place (and the next refresh tries again)."""
+    """Re-read and re-render until Ctrl-C (or SIGTERM); a broker that stops answering is
+    shown in place (and the next refresh tries again).
+
+    The signal only sets a flag, checked between reads: a KeyboardInterrupt raised in
+    the middle of pika can leave a connection that `close()` waits on forever, or one
+    half open. A read ends within its connection timeouts; a second Ctrl-C interrupts
+    at once, as usual."""
     every = format_ms(interval_ms)
-    with Live(console=out, auto_refresh=False) as live:
-        while True:
-            try:
-                view: RenderableType = render_status(read())
-            except RabbitDelayError as exc:
-                view = Text.assemble(("error: ", "bold red"), redact(str(exc)))
-            when = iso_ms(now_ms())
-            footer = Text(f"refreshed {when}, every {every}; Ctrl-C to stop", style="dim")
-            live.update(Group(view, footer), refresh=True)
-            time.sleep(interval_ms / 1000)
+    stop = threading.Event()
+
+    def on_signal(_name: str) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt  # the second one: do not wait for the read
+        stop.set()
+
+    restore = install_stop_signals(on_signal)
+    try:
+        with Live(console=out, auto_refresh=False) as live:
+            while not stop.is_set():
+                try:
+                    view: RenderableType = render_status(read())
+                except RabbitDelayError as exc:
+                    view = Text.assemble(("error: ", "bold red"), redact(str(exc)))
+                when = iso_ms(now_ms())
+                footer = Text(f"refreshed {when}, every {every}; Ctrl-C to stop", style="dim")
+                live.update(Group(view, footer), refresh=True)
+                stop.wait(interval_ms / 1000)
+    finally:
+        restore()
 
 
 @app.command()
@@ -197,10 +214,9 @@ def status(
             )
 
         if watch:
-            try:
+            with suppress(KeyboardInterrupt):  # a second Ctrl-C during a read
                 _watch(read, every)
-            except KeyboardInterrupt:
-                raise typer.Exit(EXIT_OK) from None
+            raise typer.Exit(EXIT_OK)
         found = read()
     if as_json:
         print_json(found.as_json())

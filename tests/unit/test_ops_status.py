@@ -282,3 +282,58 @@ def test_progress_bar_only_on_long_runs_at_a_terminal() -> None:
     assert not shows_progress(True, True, 49)
     assert not shows_progress(False, True, 10_000)  # piped
     assert not shows_progress(True, False, 10_000)  # --json
+
+
+# -- status --watch and Ctrl-C ----------------------------------------------------------
+
+
+def test_ctrl_c_during_a_read_lets_the_read_finish_then_stops_the_watch() -> None:
+    """Ctrl-C is taken between reads, never inside one: a KeyboardInterrupt raised in the
+    middle of pika left a connection that `close()` then waited on forever (`status
+    --watch` hung after Ctrl-C, seen in CI), or one half open (pika's AttributeError)."""
+    import os
+    import signal
+    import time
+
+    from rabbit_delay.cli.ops import _watch
+    from rabbit_delay.errors import BrokerUnavailable
+
+    reads: list[str] = []
+
+    def read() -> Status:
+        reads.append("started")
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the broker is being read
+        time.sleep(0.05)  # Python runs the signal handler here
+        reads.append("finished")
+        raise BrokerUnavailable("no broker in this test")  # shown in place, like a real one
+
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        _watch(read, 60_000)  # returns at the next check, not after the 60 s interval
+    except KeyboardInterrupt:
+        pytest.fail(f"Ctrl-C interrupted the read (reads: {reads})")
+    assert reads == ["started", "finished"]
+    assert signal.getsignal(signal.SIGINT) is previous  # the handlers are put back
+
+
+def test_a_second_ctrl_c_interrupts_a_read_at_once() -> None:
+    import os
+    import signal
+    import time
+
+    from rabbit_delay.cli.ops import _watch
+
+    reads: list[str] = []
+
+    def read() -> Status:
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        reads.append("finished")
+        raise AssertionError("not reached")
+
+    previous = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        _watch(read, 60_000)
+    assert reads == []
+    assert signal.getsignal(signal.SIGINT) is previous
