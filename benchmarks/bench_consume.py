@@ -54,25 +54,17 @@ import pika
 import pika.exceptions
 from pydantic import BaseModel
 
-from rabbit_delay.aio.worker import AsyncWorker
-from rabbit_delay.consumer import App, HandlerContext
-from rabbit_delay.delays import Route
-from rabbit_delay.idempotency import (
-    DEFAULT_REDIS_URL,
-    AsyncRedisStore,
-    MemoryStore,
-    RedisStore,
-    SQLiteStore,
-)
-from rabbit_delay.message import encode_body, now_ms
-from rabbit_delay.publishing import PublisherCore
+from rabbit_delay import App, AsyncWorker, HandlerContext, Topology, Worker, topology_from_dict
+from rabbit_delay._envelope import encode_body, now_ms
+from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topology
+from rabbit_delay._publishing.core import PublisherCore
+from rabbit_delay._stores.redis import DEFAULT_REDIS_URL
+from rabbit_delay._topology.delays import Route
+from rabbit_delay._urls import broker_url, redact
+from rabbit_delay.stores import AsyncRedisStore, MemoryStore, RedisStore, SQLiteStore
 from rabbit_delay.sync import Publisher, connected
 from rabbit_delay.sync import connect as sync_connect
 from rabbit_delay.sync import declare as sync_declare
-from rabbit_delay.sync import delete_topology as sync_delete_topology
-from rabbit_delay.sync.worker import Worker
-from rabbit_delay.topology import Topology, topology_from_dict
-from rabbit_delay.urls import broker_url, redact
 
 QUEUE = "sink"
 PREFETCH = 128

@@ -36,18 +36,18 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from rabbit_delay import names as h
-from rabbit_delay.dashboard import Dashboard, serve
-from rabbit_delay.message import JSON, Outgoing
+from rabbit_delay import Topology, topology_from_dict
+from rabbit_delay import _names as h
+from rabbit_delay._envelope import JSON, Outgoing
+from rabbit_delay._ops.dashboard.execute import BrokerBackend
+from rabbit_delay._ops.dashboard.server import Dashboard, serve
+from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topology
+from rabbit_delay._ops.parked.execute import list_parked
+from rabbit_delay._ops.status.execute import read_status
+from rabbit_delay._urls import broker_url, redact
 from rabbit_delay.sync import Publisher, connected
 from rabbit_delay.sync import declare as sync_declare
-from rabbit_delay.sync import delete_topology as sync_delete_topology
 from rabbit_delay.sync._connection import close_quietly, connect_first
-from rabbit_delay.sync.dashboard import BrokerBackend
-from rabbit_delay.sync.parked import list_parked
-from rabbit_delay.sync.status import read_status
-from rabbit_delay.topology import Topology, topology_from_dict
-from rabbit_delay.urls import broker_url, redact
 
 LOT = "q07"
 CACHED_GETS = 50

@@ -58,14 +58,13 @@ from urllib.parse import quote
 import pika
 import pika.exceptions
 
-from rabbit_delay.errors import RabbitDelayError
-from rabbit_delay.message import Outgoing, encode_body, now_ms
+from rabbit_delay import RabbitDelayError, Topology, topology_from_dict
+from rabbit_delay._envelope import Outgoing, encode_body, now_ms
+from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topology
+from rabbit_delay._urls import ManagementEndpoint, broker_url, management_endpoint, redact
 from rabbit_delay.sync import Publisher, connected
 from rabbit_delay.sync import connect as sync_connect
 from rabbit_delay.sync import declare as sync_declare
-from rabbit_delay.sync import delete_topology as sync_delete_topology
-from rabbit_delay.topology import Topology, topology_from_dict
-from rabbit_delay.urls import ManagementEndpoint, broker_url, management_endpoint, redact
 
 PLUGIN_URL_ENV = "RABBIT_DELAY_PLUGIN_URL"
 QUEUE = "sink"

@@ -46,12 +46,12 @@ from typing import Any
 
 import pika
 
+from rabbit_delay import Topology, topology_from_dict
+from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topology
+from rabbit_delay._urls import broker_url, redact
 from rabbit_delay.outbox import Outbox, Relay
 from rabbit_delay.sync import Publisher, connected
 from rabbit_delay.sync import declare as sync_declare
-from rabbit_delay.sync import delete_topology as sync_delete_topology
-from rabbit_delay.topology import Topology, topology_from_dict
-from rabbit_delay.urls import broker_url, redact
 
 PARK = "park"  # 1 h
 QUEUE = "sink"

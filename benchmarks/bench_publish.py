@@ -49,14 +49,14 @@ import aio_pika
 import pika
 import pika.exceptions
 
+from rabbit_delay import Topology, topology_from_dict
+from rabbit_delay._envelope import encode_body, now_ms
+from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topology
+from rabbit_delay._urls import broker_url, redact
 from rabbit_delay.aio import AsyncPublisher
-from rabbit_delay.message import encode_body, now_ms
 from rabbit_delay.sync import Publisher, connected
 from rabbit_delay.sync import connect as sync_connect
 from rabbit_delay.sync import declare as sync_declare
-from rabbit_delay.sync import delete_topology as sync_delete_topology
-from rabbit_delay.topology import Topology, topology_from_dict
-from rabbit_delay.urls import broker_url, redact
 
 PERSISTENT = 2
 WINDOW = 256

@@ -55,17 +55,15 @@ from typing import Any
 import aiormq.channel
 import pika
 
-from rabbit_delay.aio.worker import AsyncWorker
-from rabbit_delay.consumer import App, HandlerContext
-from rabbit_delay.delays import Route
-from rabbit_delay.idempotency import MemoryStore
-from rabbit_delay.message import encode_body, now_ms
-from rabbit_delay.publishing import PublisherCore
+from rabbit_delay import App, AsyncWorker, HandlerContext, Topology, topology_from_dict
+from rabbit_delay._envelope import encode_body, now_ms
+from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topology
+from rabbit_delay._publishing.core import PublisherCore
+from rabbit_delay._topology.delays import Route
+from rabbit_delay._urls import redact
+from rabbit_delay.stores import MemoryStore
 from rabbit_delay.sync import Publisher, broker_info, connected
 from rabbit_delay.sync import declare as sync_declare
-from rabbit_delay.sync import delete_topology as sync_delete_topology
-from rabbit_delay.topology import Topology, topology_from_dict
-from rabbit_delay.urls import redact
 
 URL_ENV = "RABBIT_DELAY_BENCH_URL"
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5743/%2F"  # the RabbitMQ 4.3 node here

@@ -72,13 +72,12 @@ import pika
 import pika.exceptions
 from bench_delays import api, node_memory  # the same management reads as bench_delays
 
-from rabbit_delay.errors import RabbitDelayError
-from rabbit_delay.message import now_ms
+from rabbit_delay import RabbitDelayError, Topology, topology_from_dict
+from rabbit_delay._envelope import now_ms
+from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topology
+from rabbit_delay._urls import broker_url, management_endpoint, redact
 from rabbit_delay.sync import Publisher, connected
 from rabbit_delay.sync import declare as sync_declare
-from rabbit_delay.sync import delete_topology as sync_delete_topology
-from rabbit_delay.topology import Topology, topology_from_dict
-from rabbit_delay.urls import broker_url, management_endpoint, redact
 
 BROKERS_SH = Path(__file__).resolve().parents[1] / ".ci" / "brokers.sh"
 QUEUE = "sink"

@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from rabbit_delay.consumer import App
+from rabbit_delay import App
 from rabbit_delay.testing import TestBroker
 
 TOPOLOGY = Path(__file__).resolve().parent.parent / "topology" / "orders.toml"

@@ -11,7 +11,7 @@ second. A round then
   1. publishes N messages into the source's 1 h tier (not timed: the set-up);
   2. publishes N messages with `Publisher.publish_many` into the target's 1 h tier (the
      baseline: the same target broker and confirms, no reading and no acking);
-  3. transfers the N pending messages (`rabbit_delay.sync.transfer.transfer`: read in
+  3. transfers the N pending messages (`rabbit_delay._ops.transfer.execute.transfer`: read in
      batches, publish confirmed, ack), and deletes both topologies.
 
 The two rates of a round are measured side by side, so their ratio means something on a
@@ -40,13 +40,13 @@ import time
 import uuid
 from typing import Any
 
-from rabbit_delay.ops.transfer import Transfer
+from rabbit_delay import Topology, topology_from_dict
+from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topology
+from rabbit_delay._ops.transfer.execute import DEFAULT_BATCH, transfer
+from rabbit_delay._ops.transfer.rules import Transfer
+from rabbit_delay._urls import broker_url, redact
 from rabbit_delay.sync import Publisher, broker_info, connected
 from rabbit_delay.sync import declare as sync_declare
-from rabbit_delay.sync import delete_topology as sync_delete_topology
-from rabbit_delay.sync.transfer import DEFAULT_BATCH, transfer
-from rabbit_delay.topology import Topology, topology_from_dict
-from rabbit_delay.urls import broker_url, redact
 
 TARGET_URL = "amqp://guest:guest@127.0.0.1:5743/%2F"  # `bash .ci/brokers.sh url 4.3`
 TIER = "1h"

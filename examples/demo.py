@@ -36,15 +36,21 @@ import pika
 import pika.exceptions
 from pydantic import BaseModel
 
+from rabbit_delay import (
+    App,
+    BrokerUnavailable,
+    HandlerContext,
+    RabbitDelayError,
+    Topology,
+    Worker,
+    topology_from_dict,
+)
+from rabbit_delay._consumer.stats import WorkerStats
+from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topology
+from rabbit_delay._urls import broker_url, redact
 from rabbit_delay.aio import AsyncPublisher
-from rabbit_delay.consumer import App, HandlerContext, WorkerStats
-from rabbit_delay.errors import BrokerUnavailable, RabbitDelayError
-from rabbit_delay.idempotency import MemoryStore
+from rabbit_delay.stores import MemoryStore
 from rabbit_delay.sync import Publisher, connect, connected, declare
-from rabbit_delay.sync import delete_topology as sync_delete_topology
-from rabbit_delay.sync.worker import Worker
-from rabbit_delay.topology import Topology, topology_from_dict
-from rabbit_delay.urls import broker_url, redact
 
 NAMESPACE_ENV = "RABBIT_DELAY_EXAMPLE_NAMESPACE"  # tests run examples in a namespace of their own
 MAX_LATE_MS = 1_000

@@ -34,12 +34,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from rabbit_delay.consumer import App, HandlerContext
-from rabbit_delay.errors import BrokerUnavailable
+from rabbit_delay import App, BrokerUnavailable, HandlerContext, Topology, topology_from_dict
+from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topology
+from rabbit_delay._urls import broker_url, redact
 from rabbit_delay.sync import Publisher, connect, connected, declare
-from rabbit_delay.sync import delete_topology as sync_delete_topology
-from rabbit_delay.topology import Topology, topology_from_dict
-from rabbit_delay.urls import broker_url, redact
 
 NAMESPACE_ENV = "RABBIT_DELAY_EXAMPLE_NAMESPACE"  # tests run examples in a namespace of their own
 DEADLINE_S = 15.0
@@ -82,13 +80,13 @@ def start_worker(app: App, url: str, use_async: bool) -> tuple[threading.Thread,
     """The worker on a thread, so this one script can also publish; `rabbit-delay worker`
     runs it in the foreground instead, stopped by SIGINT/SIGTERM."""
     if use_async:
-        from rabbit_delay.aio.worker import AsyncWorker
+        from rabbit_delay import AsyncWorker
 
         async_worker = AsyncWorker(app, url, install_signal_handlers=False)
         thread = threading.Thread(target=lambda: asyncio.run(async_worker.run()), daemon=True)
         thread.start()
         return thread, async_worker
-    from rabbit_delay.sync.worker import Worker
+    from rabbit_delay import Worker
 
     worker = Worker(app, url, install_signal_handlers=False)
     thread = threading.Thread(target=worker.run, name="worker", daemon=True)

@@ -35,14 +35,18 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from rabbit_delay.consumer import App, HandlerContext
-from rabbit_delay.errors import BrokerUnavailable
+from rabbit_delay import (
+    App,
+    BrokerUnavailable,
+    HandlerContext,
+    Topology,
+    Worker,
+    topology_from_dict,
+)
+from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topology
+from rabbit_delay._urls import broker_url, redact
 from rabbit_delay.outbox import Outbox, Relay
 from rabbit_delay.sync import connect, connected, declare
-from rabbit_delay.sync import delete_topology as sync_delete_topology
-from rabbit_delay.sync.worker import Worker
-from rabbit_delay.topology import Topology, topology_from_dict
-from rabbit_delay.urls import broker_url, redact
 
 NAMESPACE_ENV = "RABBIT_DELAY_EXAMPLE_NAMESPACE"  # tests run examples in a namespace of their own
 TIMEOUT = "2s"  # a shop would write "30m"

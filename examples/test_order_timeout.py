@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from rabbit_delay.consumer import App, HandlerContext, Reject
-from rabbit_delay.publishing import PublisherCore
+from rabbit_delay import App, HandlerContext, Reject
+from rabbit_delay._publishing.core import PublisherCore
 from rabbit_delay.testing import TestBroker
 
 TOPOLOGY = Path(__file__).resolve().parent.parent / "topology" / "orders.toml"

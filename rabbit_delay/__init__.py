@@ -1,18 +1,37 @@
 """rabbit-delay: reliable "do this later" on RabbitMQ.
 
-Importing the package imports neither pika nor aio-pika: the sync transport lives in
-`rabbit_delay.sync`, the async one in `rabbit_delay.aio`. `Publisher` and
-`AsyncPublisher` are re-exported lazily here for convenience.
+What an application writes, in one namespace:
+
+    from rabbit_delay import App, HandlerContext, Publisher, Retry, Worker, load_topology
+
+    app = App("topology/shop.toml")
+
+    @app.consumer("orders.cancel-unpaid")
+    def cancel(order: dict, ctx: HandlerContext) -> None: ...
+
+    with Publisher.connect(app.topology) as publisher:
+        publisher.publish_delayed({"order_id": 42}, "30m", queue="orders.cancel-unpaid")
+
+    Worker(app).run()
+
+The transports are imported lazily: `Publisher` and `Worker` bring in pika,
+`AsyncPublisher` and `AsyncWorker` aio-pika, and importing `rabbit_delay` imports
+neither. Documented submodules keep their own small surface: `rabbit_delay.sync` and
+`rabbit_delay.aio` (the transports), `rabbit_delay.stores` (idempotency stores),
+`rabbit_delay.outbox`, `rabbit_delay.testing`, `rabbit_delay.metrics` and
+`rabbit_delay.tracing`. Every other module is private (a leading underscore).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from rabbit_delay.durations import format_ms, parse_ms
-from rabbit_delay.errors import (
+from rabbit_delay._connection import ConnectionSettings, ReconnectBackoff
+from rabbit_delay._consumer.app import App
+from rabbit_delay._consumer.context import HandlerContext
+from rabbit_delay._consumer.control import Reject, Retry
+from rabbit_delay._errors import (
     AccessRefused,
-    ArgumentConflict,
     BrokerBlocked,
     BrokerError,
     BrokerUnavailable,
@@ -21,6 +40,7 @@ from rabbit_delay.errors import (
     DeclarationConflict,
     DecodeError,
     DelayError,
+    DuplicateMessageError,
     DurationError,
     EncodeError,
     IncompatibleBroker,
@@ -28,6 +48,7 @@ from rabbit_delay.errors import (
     MissingObjectError,
     MissingPluginError,
     NackError,
+    OutboxError,
     PublishError,
     RabbitDelayError,
     TopologyError,
@@ -35,61 +56,87 @@ from rabbit_delay.errors import (
     UnknownTargetError,
     UnroutableError,
 )
-from rabbit_delay.names import Names
-from rabbit_delay.topology import QueueType, Topology, load_topology, topology_from_dict
-from rabbit_delay.urls import redact
+from rabbit_delay._reconcile import AsyncReconcileContext, ReconcileContext, Resubmit
+from rabbit_delay._tls import TLSOptions
+from rabbit_delay._topology.model import Topology, load_topology, topology_from_dict
 
 if TYPE_CHECKING:
-    from rabbit_delay.aio.publisher import AsyncPublisher
-    from rabbit_delay.sync.publisher import Publisher
+    from rabbit_delay.aio import AsyncPublisher, AsyncWorker
+    from rabbit_delay.sync import Publisher, Worker
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AccessRefused",
-    "ArgumentConflict",
+    "App",
     "AsyncPublisher",
+    "AsyncReconcileContext",
+    "AsyncWorker",
     "BrokerBlocked",
     "BrokerError",
     "BrokerUnavailable",
     "ConfigError",
     "ConnectionLost",
+    "ConnectionSettings",
     "DeclarationConflict",
     "DecodeError",
     "DelayError",
+    "DuplicateMessageError",
     "DurationError",
     "EncodeError",
+    "HandlerContext",
     "IncompatibleBroker",
     "ManagementUnavailable",
     "MissingObjectError",
     "MissingPluginError",
     "NackError",
-    "Names",
+    "OutboxError",
     "PublishError",
     "Publisher",
-    "QueueType",
     "RabbitDelayError",
+    "ReconcileContext",
+    "ReconnectBackoff",
+    "Reject",
+    "Resubmit",
+    "Retry",
+    "TLSOptions",
     "Topology",
     "TopologyError",
     "UnconfirmedError",
     "UnknownTargetError",
     "UnroutableError",
-    "format_ms",
+    "Worker",
+    "__version__",
     "load_topology",
-    "parse_ms",
-    "redact",
     "topology_from_dict",
 ]
+
+# Public classes defined in private modules are shown (repr, error types in the
+# rd-error-type header, pickling) under the name a user imports them by.
+for _name in __all__:
+    _obj = globals().get(_name)
+    if isinstance(_obj, type) and _obj.__module__.startswith("rabbit_delay._"):
+        _obj.__module__ = "rabbit_delay"
+del _name, _obj
+
+# name -> the transport package that defines it, imported on first use
+_LAZY = {
+    "Publisher": "rabbit_delay.sync",
+    "Worker": "rabbit_delay.sync",
+    "AsyncPublisher": "rabbit_delay.aio",
+    "AsyncWorker": "rabbit_delay.aio",
+}
 
 
 def __getattr__(name: str) -> Any:
     # Lazy, so `import rabbit_delay` pulls in only the transport actually used.
-    if name == "Publisher":
-        from rabbit_delay.sync.publisher import Publisher
+    package = _LAZY.get(name)
+    if package is None:
+        raise AttributeError(f"module 'rabbit_delay' has no attribute {name!r}")
+    from importlib import import_module
 
-        return Publisher
-    if name == "AsyncPublisher":
-        from rabbit_delay.aio.publisher import AsyncPublisher
+    return getattr(import_module(package), name)
 
-        return AsyncPublisher
-    raise AttributeError(f"module 'rabbit_delay' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

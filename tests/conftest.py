@@ -18,12 +18,12 @@ from urllib.parse import urlsplit
 import pika
 import pytest
 
-from rabbit_delay.broker import BrokerInfo
-from rabbit_delay.management import checked, get_json
+from rabbit_delay import Topology, topology_from_dict
+from rabbit_delay._broker import BrokerInfo
+from rabbit_delay._io.management import checked, get_json
+from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topology
+from rabbit_delay._urls import DEFAULT_URL, ManagementEndpoint, management_endpoints
 from rabbit_delay.sync import connected
-from rabbit_delay.sync import delete_topology as sync_delete_topology
-from rabbit_delay.topology import Topology, topology_from_dict
-from rabbit_delay.urls import DEFAULT_URL, ManagementEndpoint, management_endpoints
 
 TEST_URL_ENV = "RABBIT_DELAY_TEST_URL"
 TEST_MANAGEMENT_URL_ENV = "RABBIT_DELAY_TEST_MANAGEMENT_URL"
@@ -278,7 +278,7 @@ def spans() -> Iterator[Spans]:
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from rabbit_delay import tracing
+    from rabbit_delay._observe import tracing
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

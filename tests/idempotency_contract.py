@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import pytest
 
-from rabbit_delay.idempotency import AsyncIdempotencyStore, ClaimResult
+from rabbit_delay.stores import AsyncIdempotencyStore, ClaimResult
 
 T0 = 1_700_000_000_000
 LEASE = 60_000

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from rabbit_delay.broker import BrokerInfo
+from rabbit_delay._broker import BrokerInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks" / "bench_publish.py"

@@ -36,8 +36,8 @@ import pytest
 import typer.main
 from markdown_it import MarkdownIt
 
-from rabbit_delay.cli._app import app, load_commands
-from rabbit_delay.topology import load_topology, topology_from_dict
+from rabbit_delay import load_topology, topology_from_dict
+from rabbit_delay._cli.app import app, load_commands
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
@@ -247,7 +247,8 @@ def _scratch_project(tmp: Path, namespace: str) -> list[Path]:
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 @pytest.mark.parametrize("block", PYTHON, ids=_ids(PYTHON))
 def test_python_block_runs(block: Block, broker_url: str, tmp_path: Path) -> None:
-    from rabbit_delay.sync import connected, declare, delete_topology
+    from rabbit_delay._ops.delete.execute import delete_topology
+    from rabbit_delay.sync import connected, declare
 
     files = _scratch_project(tmp_path, "doc" + uuid.uuid4().hex[:8])
     used = [f for f in files if str(f.relative_to(tmp_path)) in block.code]

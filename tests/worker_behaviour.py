@@ -38,18 +38,20 @@ from typing import Any, Protocol
 import pytest
 from pydantic import BaseModel
 
-from rabbit_delay import names as h
-from rabbit_delay.broker import BrokerInfo
-from rabbit_delay.consumer import App, HandlerContext, Reject, Retry
-from rabbit_delay.errors import IncompatibleBroker, MissingObjectError
-from rabbit_delay.idempotency import (
-    DEFAULT_PREFIX,
-    DEFAULT_TABLE,
-    ClaimResult,
-    MemoryStore,
-    SQLiteStore,
+from rabbit_delay import (
+    App,
+    HandlerContext,
+    IncompatibleBroker,
+    MissingObjectError,
+    Reject,
+    Retry,
+    Topology,
 )
-from rabbit_delay.topology import Topology
+from rabbit_delay import _names as h
+from rabbit_delay._broker import BrokerInfo
+from rabbit_delay._idempotency.guard import DEFAULT_PREFIX
+from rabbit_delay._stores.sqlite import DEFAULT_TABLE
+from rabbit_delay.stores import ClaimResult, MemoryStore, SQLiteStore
 
 QUEUE = "orders.cancel"
 ASYNC_HANDLER_KINDS = ("async", "memory-async")  # kinds whose handlers are `async def`
@@ -501,12 +503,12 @@ class WorkerBehaviour:
         assert parked.message_id == refuse
         assert parked.headers[h.H_PARK_REASON] == "rejected"
         assert parked.headers[h.H_ERROR_MESSAGE] == "order 11 belongs to another shop"
-        assert parked.headers[h.H_ERROR_TYPE] == "rabbit_delay.consumer.Reject"
+        assert parked.headers[h.H_ERROR_TYPE] == "rabbit_delay.Reject"
         assert parked.headers[h.H_ATTEMPT] == 1
         [done] = calls.finished
         assert done.ctx.message_id == later
         assert (done.ctx.attempt, done.ctx.tier) == (2, "1s")
-        assert done.ctx.headers[h.H_ERROR_TYPE] == "rabbit_delay.consumer.Retry"
+        assert done.ctx.headers[h.H_ERROR_TYPE] == "rabbit_delay.Retry"
 
     # -- idempotency ---------------------------------------------------------------------
 

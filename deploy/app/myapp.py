@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
-from rabbit_delay.consumer import App, HandlerContext
+from rabbit_delay import App, HandlerContext
 
 log = logging.getLogger("myapp")
 

@@ -1,8 +1,13 @@
-"""The asynchronous (aio-pika) transport."""
+"""The asynchronous transport (aio-pika): publisher, worker, connection and declarer.
+
+    from rabbit_delay.aio import AsyncPublisher, AsyncWorker, connect, declare
+
+`AsyncPublisher` and `AsyncWorker` are also exported by `rabbit_delay` itself.
+"""
 
 from rabbit_delay.aio._connection import broker_info, connect
-from rabbit_delay.aio.declarer import declare, plan
-from rabbit_delay.aio.publisher import AsyncPublisher
-from rabbit_delay.aio.worker import AsyncWorker
+from rabbit_delay.aio._declarer import declare, plan
+from rabbit_delay.aio._publisher import AsyncPublisher
+from rabbit_delay.aio._worker import AsyncWorker
 
 __all__ = ["AsyncPublisher", "AsyncWorker", "broker_info", "connect", "declare", "plan"]

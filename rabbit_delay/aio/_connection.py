@@ -1,5 +1,5 @@
 """aio-pika connections: the first of several broker URLs that answers, with the settings
-of `rabbit_delay.connection` (heartbeat, connect timeout, TLS).
+of `rabbit_delay._connection` (heartbeat, connect timeout, TLS).
 
 Connections are plain, not aio-pika's robust ones: a robust connection reconnects to
 its one URL only, and restores channels and consumers behind the back of code that
@@ -17,14 +17,14 @@ from typing import Any
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractRobustConnection
 
+from rabbit_delay._broker import UNKNOWN, BrokerInfo
+from rabbit_delay._connection import ConnectionSettings, query_keys, unavailable_message
+from rabbit_delay._errors import BrokerUnavailable, ConnectionLost
+from rabbit_delay._tls import TLSOptions, split_tls
+from rabbit_delay._urls import redact
 from rabbit_delay.aio._errors import CLIENT_ERRORS
-from rabbit_delay.broker import UNKNOWN, BrokerInfo
-from rabbit_delay.connection import ConnectionSettings, query_keys, unavailable_message
-from rabbit_delay.errors import BrokerUnavailable, ConnectionLost
-from rabbit_delay.tls import TLSOptions, split_tls
-from rabbit_delay.urls import redact
 
-log = logging.getLogger("rabbit_delay.connection")
+log = logging.getLogger("rabbit_delay._connection")
 
 Urls = str | Sequence[str] | None
 

@@ -1,5 +1,5 @@
 """The one exception map of the aio-pika transport: every aiormq, aio-pika, asyncio and
-socket exception a public call can meet becomes a class of `rabbit_delay.errors`.
+socket exception a public call can meet becomes a class of `rabbit_delay._errors`.
 
 What a broker's close reply means is decided once, in `errors.broker_refusal`, for both
 transports; this module only reads the reply out of aiormq's exceptions. The table is
@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import aio_pika.exceptions
 import aiormq.exceptions
 
-from rabbit_delay.errors import (
+from rabbit_delay._errors import (
     BrokerError,
     BrokerUnavailable,
     ConnectionLost,
@@ -26,7 +26,7 @@ from rabbit_delay.errors import (
     broker_refusal,
     for_publishes,
 )
-from rabbit_delay.urls import redact
+from rabbit_delay._urls import redact
 
 _e = aiormq.exceptions
 

@@ -18,12 +18,12 @@ from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from rabbit_delay._confirms import Ledger, State
-from rabbit_delay.delays import Router
-from rabbit_delay.errors import ConfigError, EncodeError, PublishError
-from rabbit_delay.message import Body, Outgoing, check_message_id, encode_body, new_message_id
-from rabbit_delay.publishing import DelayLike, PublisherCore
-from rabbit_delay.urls import redact
+from rabbit_delay._envelope import Body, Outgoing, check_message_id, encode_body, new_message_id
+from rabbit_delay._errors import ConfigError, EncodeError, PublishError
+from rabbit_delay._publishing.confirms import Ledger, State
+from rabbit_delay._publishing.core import DelayLike, PublisherCore
+from rabbit_delay._topology.delays import Router
+from rabbit_delay._urls import redact
 
 DEFAULT_TABLE = "rabbit_delay_outbox"
 DEFAULT_BATCH = 1_000

@@ -7,12 +7,12 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-from rabbit_delay._sql import check_table_name
-from rabbit_delay.message import Body, now_ms
+from rabbit_delay._envelope import Body, now_ms
+from rabbit_delay._io.sql import check_table_name
+from rabbit_delay._publishing.core import DelayLike, PublisherCore
+from rabbit_delay._topology.model import Topology
 from rabbit_delay.outbox import _sql
 from rabbit_delay.outbox._core import DEFAULT_TABLE, new_row
-from rabbit_delay.publishing import DelayLike, PublisherCore
-from rabbit_delay.topology import Topology
 
 
 class Outbox:

@@ -28,12 +28,10 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 from urllib.parse import quote
 
-from rabbit_delay._confirms import DEFAULT_BLOCKED_TIMEOUT_S, DEFAULT_RECOVERY_TIMEOUT_S
-from rabbit_delay._sql import check_table_name
-from rabbit_delay.connection import Backoff, ConnectionSettings
-from rabbit_delay.delays import Router
-from rabbit_delay.durations import DurationLike, parse_ms
-from rabbit_delay.errors import (
+from rabbit_delay._connection import ConnectionSettings, ReconnectBackoff
+from rabbit_delay._durations import DurationLike, parse_ms
+from rabbit_delay._envelope import now_ms
+from rabbit_delay._errors import (
     ConfigError,
     DurationError,
     NackError,
@@ -41,7 +39,11 @@ from rabbit_delay.errors import (
     RabbitDelayError,
     UnroutableError,
 )
-from rabbit_delay.message import now_ms
+from rabbit_delay._io.sql import check_table_name
+from rabbit_delay._publishing.confirms import DEFAULT_BLOCKED_TIMEOUT_S, DEFAULT_RECOVERY_TIMEOUT_S
+from rabbit_delay._topology.delays import Router
+from rabbit_delay._topology.model import Topology
+from rabbit_delay._urls import redact
 from rabbit_delay.outbox import _sql
 from rabbit_delay.outbox._core import (
     DEFAULT_BATCH,
@@ -60,19 +62,17 @@ from rabbit_delay.outbox._core import (
     plan_batch,
     settle,
 )
-from rabbit_delay.topology import Topology
-from rabbit_delay.urls import redact
 
 if TYPE_CHECKING:
-    from rabbit_delay.metrics import Metrics
-    from rabbit_delay.publishing import URLs
-    from rabbit_delay.sync.publisher import Publisher
+    from rabbit_delay._observe.metrics import Metrics
+    from rabbit_delay._publishing.core import URLs
+    from rabbit_delay.sync._publisher import Publisher
 
 log = logging.getLogger("rabbit_delay.outbox")
 
 MAX_BATCH = 10_000
 # After a failure (broker or database unreachable): 1 s, doubling up to 30 s.
-ERROR_BACKOFF = Backoff(initial_s=1.0, max_s=30.0)
+ERROR_BACKOFF = ReconnectBackoff(initial_s=1.0, max_s=30.0)
 # PostgreSQL: a relay idle this long inside its claim transaction is cut off by the
 # server (rows unlocked). Above the longest a publish can legitimately take: the
 # publisher's recovery deadline plus a blocked broker's, with margin.
@@ -290,7 +290,7 @@ class Relay:
     def _open_publisher(self) -> Publisher:
         publisher = self._publisher
         if publisher is None:
-            from rabbit_delay.sync.publisher import Publisher
+            from rabbit_delay.sync._publisher import Publisher
 
             publisher = Publisher(
                 self.topology, self.url, metrics=self.metrics, settings=self.settings
@@ -401,7 +401,7 @@ class Relay:
         errors.append(text)
         del errors[:-20]
         if self.metrics is not None:
-            from rabbit_delay.metrics import PublishErrorReason
+            from rabbit_delay._observe.metrics import PublishErrorReason
 
             target = self._metric_target(row.queue, row.routing_key)
             self.metrics.relay_refused(target, PublishErrorReason(refusal.reason))
@@ -466,7 +466,7 @@ class Relay:
         return self.stats
 
     def _idle_waits(self) -> Iterator[float]:
-        return Backoff(self.poll_ms / 1000, self.max_poll_ms / 1000, jitter=0.1).delays()
+        return ReconnectBackoff(self.poll_ms / 1000, self.max_poll_ms / 1000, jitter=0.1).delays()
 
     def cleanup(self, now: int | None = None) -> int:
         """Delete the rows sent `retention` ago or earlier; how many. Raises OutboxError."""

@@ -25,8 +25,8 @@ import sqlite3
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from rabbit_delay._sql import check_table_name, require_sqlite_transaction
-from rabbit_delay.errors import ConfigError, DuplicateMessageError, OutboxError
+from rabbit_delay._errors import ConfigError, DuplicateMessageError, OutboxError
+from rabbit_delay._io.sql import check_table_name, require_sqlite_transaction
 from rabbit_delay.outbox._core import POSTGRESQL, SQLITE, NewRow, Refusal, Row
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """pika connections: the first of several broker URLs that answers, with the settings of
-`rabbit_delay.connection` (heartbeat, timeouts, blocked-connection timeout, TLS)."""
+`rabbit_delay._connection` (heartbeat, timeouts, blocked-connection timeout, TLS)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import pika
 import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
-from rabbit_delay.broker import BrokerInfo
-from rabbit_delay.connection import ConnectionSettings, query_keys, unavailable_message
-from rabbit_delay.errors import BrokerUnavailable, ConfigError
+from rabbit_delay._broker import BrokerInfo
+from rabbit_delay._connection import ConnectionSettings, query_keys, unavailable_message
+from rabbit_delay._errors import BrokerUnavailable, ConfigError
+from rabbit_delay._tls import split_tls
+from rabbit_delay._urls import redact
 from rabbit_delay.sync._errors import CLIENT_ERRORS
-from rabbit_delay.tls import split_tls
-from rabbit_delay.urls import redact
 
-log = logging.getLogger("rabbit_delay.connection")
+log = logging.getLogger("rabbit_delay._connection")
 
 Urls = str | Sequence[str] | None
 

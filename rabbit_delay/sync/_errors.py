@@ -1,5 +1,5 @@
 """The one exception map of the pika transport: every pika and socket exception a
-public call can meet becomes a class of `rabbit_delay.errors`.
+public call can meet becomes a class of `rabbit_delay._errors`.
 
 Every public call of `sync/` runs its pika calls inside `mapped(...)` (or calls
 `translate` itself); what a broker's close reply means is decided once, in
@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import pika.exceptions
 
-from rabbit_delay.errors import (
+from rabbit_delay._errors import (
     BrokerBlocked,
     BrokerError,
     BrokerUnavailable,
@@ -26,7 +26,7 @@ from rabbit_delay.errors import (
     broker_refusal,
     for_publishes,
 )
-from rabbit_delay.urls import redact
+from rabbit_delay._urls import redact
 
 # What a pika call can raise besides our own errors.
 CLIENT_ERRORS: tuple[type[BaseException], ...] = (

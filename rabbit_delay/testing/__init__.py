@@ -3,7 +3,7 @@
     from rabbit_delay.testing import TestBroker
 
     def test_an_unpaid_order_is_cancelled_after_30_minutes():
-        with TestBroker(app) as broker:  # app: your rabbit_delay.consumer.App
+        with TestBroker(app) as broker:  # app: your rabbit_delay._consumer.app.App
             broker.publisher.publish_delayed(
                 CancelOrder(order_id=1), "30m", queue="orders.cancel-unpaid"
             )

@@ -43,18 +43,13 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from rabbit_delay import names as h
-from rabbit_delay.broker import BrokerInfo, normalise_queue_arguments
-from rabbit_delay.durations import DurationLike, format_ms, parse_ms
-from rabbit_delay.errors import (
-    ConfigError,
-    MissingPluginError,
-    RabbitDelayError,
-    broker_refusal,
-)
-from rabbit_delay.message import Outgoing
-from rabbit_delay.message import now_ms as wall_clock_ms
-from rabbit_delay.plan import (
+from rabbit_delay import _names as h
+from rabbit_delay._broker import BrokerInfo, normalise_queue_arguments
+from rabbit_delay._durations import DurationLike, format_ms, parse_ms
+from rabbit_delay._envelope import Outgoing
+from rabbit_delay._envelope import now_ms as wall_clock_ms
+from rabbit_delay._errors import ConfigError, MissingPluginError, RabbitDelayError, broker_refusal
+from rabbit_delay._plan.plan import (
     DELAYED_RETRY_TYPE,
     PLUGIN_EXCHANGE_TYPE,
     PLUGIN_HINT,
@@ -75,8 +70,8 @@ from rabbit_delay.plan import (
     desired,
     plan_program,
 )
+from rabbit_delay._topology.model import Topology
 from rabbit_delay.testing._loop import VirtualLoop
-from rabbit_delay.topology import Topology
 
 DEFAULT_VERSION = "4.3.6"
 VHOST = "/"

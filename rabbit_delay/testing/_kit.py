@@ -9,17 +9,18 @@ from datetime import datetime, timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from rabbit_delay.consumer import App, WorkerStats
-from rabbit_delay.durations import DurationLike
-from rabbit_delay.errors import ConfigError
-from rabbit_delay.idempotency import IdempotencyStore
+from rabbit_delay._consumer.app import App
+from rabbit_delay._consumer.stats import WorkerStats
+from rabbit_delay._durations import DurationLike
+from rabbit_delay._errors import ConfigError
+from rabbit_delay._idempotency.guard import IdempotencyStore
+from rabbit_delay._topology.model import Topology
 from rabbit_delay.testing._broker import DEFAULT_VERSION, MemoryBroker, Message
 from rabbit_delay.testing._publisher import AsyncMemoryPublisher, MemoryPublisher
 from rabbit_delay.testing._worker import Handled, MemoryWorker, Outcome
-from rabbit_delay.topology import Topology
 
 if TYPE_CHECKING:
-    from rabbit_delay.metrics import Metrics
+    from rabbit_delay._observe.metrics import Metrics
 
 
 class TestBroker:

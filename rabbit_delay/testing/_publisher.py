@@ -8,11 +8,11 @@ from __future__ import annotations
 from collections.abc import Coroutine, Iterable
 from typing import Any, Generic, TypeVar, Unpack
 
-from rabbit_delay.errors import RabbitDelayError
-from rabbit_delay.message import Outgoing
-from rabbit_delay.publishing import PublisherCore, PublisherOptions
+from rabbit_delay._envelope import Outgoing
+from rabbit_delay._errors import RabbitDelayError
+from rabbit_delay._publishing.core import PublisherCore, PublisherOptions
+from rabbit_delay._topology.model import Topology
 from rabbit_delay.testing._broker import NO_ROUTE, MemoryBroker
-from rabbit_delay.topology import Topology
 
 OneT = TypeVar("OneT")
 ManyT = TypeVar("ManyT")

@@ -25,23 +25,20 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from rabbit_delay.consumer import (
+from rabbit_delay._consumer.app import App, Consumer, Transport, _is_async_store
+from rabbit_delay._consumer.context import HandlerContext
+from rabbit_delay._consumer.decide import (
     Ack,
     Action,
-    App,
     BrokerRetry,
-    Consumer,
-    HandlerContext,
     Park,
     Republish,
     RepublishReason,
     Requeue,
     Skip,
     SkipReason,
-    Transport,
 )
-from rabbit_delay.consumer._app import _is_async_store
-from rabbit_delay.consumer._delivery import (
+from rabbit_delay._consumer.delivery import (
     STALE,
     STOPPING,
     Claim,
@@ -56,14 +53,15 @@ from rabbit_delay.consumer._delivery import (
     WriteNack,
     WriteReject,
 )
-from rabbit_delay.consumer._worker_base import WorkerBase, call_async_handler, call_handler
-from rabbit_delay.errors import BrokerError, ConfigError, PublishError
-from rabbit_delay.idempotency import ClaimResult, Guard, IdempotencyStore, MemoryStore
+from rabbit_delay._consumer.worker_base import WorkerBase, call_async_handler, call_handler
+from rabbit_delay._errors import BrokerError, ConfigError, PublishError
+from rabbit_delay._idempotency.guard import ClaimResult, Guard, IdempotencyStore
+from rabbit_delay._stores.memory import MemoryStore
 from rabbit_delay.testing._broker import Channel, Delivered, KitError, MemoryBroker
 from rabbit_delay.testing._publisher import MemoryPublisher
 
 if TYPE_CHECKING:
-    from rabbit_delay.metrics import Metrics
+    from rabbit_delay._observe.metrics import Metrics
 
 log = logging.getLogger("rabbit_delay.worker")
 

@@ -48,7 +48,7 @@ def rabbit_delay_broker(
     except pytest.FixtureLookupError:
         raise pytest.UsageError(
             "rabbit_delay_broker needs a fixture named rabbit_delay_app that returns your "
-            "rabbit_delay.consumer.App (or a Topology): define it in your conftest.py"
+            "rabbit_delay._consumer.app.App (or a Topology): define it in your conftest.py"
         ) from None
     with TestBroker(app, **rabbit_delay_broker_options) as broker:
         yield broker

@@ -28,9 +28,9 @@ import pika
 import pika.exceptions
 from conftest import wait_for
 
-from rabbit_delay.plan import DeclareReport, Observed, Plan
-from rabbit_delay.topology import Topology
-from rabbit_delay.urls import ManagementEndpoint
+from rabbit_delay import Topology
+from rabbit_delay._plan.plan import DeclareReport, Observed, Plan
+from rabbit_delay._urls import ManagementEndpoint
 
 T = TypeVar("T")
 DEADLINE_S = 20.0

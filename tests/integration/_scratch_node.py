@@ -31,11 +31,11 @@ import pika.exceptions
 import pytest
 from conftest import server_info
 
-from rabbit_delay.broker import BrokerInfo
-from rabbit_delay.errors import ManagementUnavailable
-from rabbit_delay.management import get_json
-from rabbit_delay.message import now_ms
-from rabbit_delay.urls import management_endpoint
+from rabbit_delay import ManagementUnavailable
+from rabbit_delay._broker import BrokerInfo
+from rabbit_delay._envelope import now_ms
+from rabbit_delay._io.management import get_json
+from rabbit_delay._urls import management_endpoint
 
 BROKERS_SH = Path(__file__).resolve().parents[2] / ".ci" / "brokers.sh"
 START_TIMEOUT_S = 180.0

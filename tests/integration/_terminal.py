@@ -16,7 +16,7 @@ import termios
 import time
 from collections.abc import Callable
 
-CLI = [sys.executable, "-c", "from rabbit_delay.cli import main; main()"]
+CLI = [sys.executable, "-c", "from rabbit_delay._cli.app import main; main()"]
 
 
 class Terminal:

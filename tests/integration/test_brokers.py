@@ -17,15 +17,15 @@ import pytest
 from conftest import message_count
 from typer.testing import CliRunner, Result
 
-from rabbit_delay import aio
-from rabbit_delay.broker import BrokerInfo
-from rabbit_delay.cli._app import app, load_commands
-from rabbit_delay.management import checked
-from rabbit_delay.plan import Operation, RoutesEveryKey, desired
+from rabbit_delay import Topology, aio
+from rabbit_delay._broker import BrokerInfo
+from rabbit_delay._cli.app import app, load_commands
+from rabbit_delay._io.management import checked
+from rabbit_delay._plan.plan import Operation, RoutesEveryKey, desired
+from rabbit_delay._urls import MANAGEMENT_URL_ENV, URL_ENV, ManagementEndpoint, management_endpoints
+from rabbit_delay.aio._declarer import run_program as aio_run_program
 from rabbit_delay.sync import connect
-from rabbit_delay.sync.declarer import run_program
-from rabbit_delay.topology import Topology
-from rabbit_delay.urls import MANAGEMENT_URL_ENV, URL_ENV, ManagementEndpoint, management_endpoints
+from rabbit_delay.sync._declarer import run_program
 
 from ._publishers import broker_state, toml_for
 from ._scratch_node import ScratchNode, scratch_kind, started_node
@@ -105,7 +105,7 @@ def _objects_on(node: ScratchNode, topology: Topology) -> set[str]:
 
 
 def _delete_on(node: ScratchNode, topology: Topology) -> None:
-    from rabbit_delay.sync import delete_topology
+    from rabbit_delay._ops.delete.execute import delete_topology
 
     conn = connect(node.url)
     try:
@@ -230,7 +230,7 @@ def test_the_routing_probe_tells_fanout_from_direct_and_leaves_nothing(
             async def run(op: RoutesEveryKey = op) -> object:
                 conn = await aio.connect(broker_url)
                 try:
-                    return await aio.declarer.run_program(conn, _probe(op))
+                    return await aio_run_program(conn, _probe(op))
                 finally:
                     await conn.close()
 

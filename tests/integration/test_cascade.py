@@ -20,12 +20,11 @@ import pika
 import pytest
 from conftest import message_count
 
-from rabbit_delay import delays
-from rabbit_delay import names as h
-from rabbit_delay.errors import DelayError
-from rabbit_delay.message import Outgoing, now_ms
+from rabbit_delay import DelayError, Topology, topology_from_dict
+from rabbit_delay import _names as h
+from rabbit_delay._envelope import Outgoing, now_ms
+from rabbit_delay._topology import delays
 from rabbit_delay.sync import Publisher, connect, declare
-from rabbit_delay.topology import Topology, topology_from_dict
 
 from ._scratch_node import Collector, Received, ScratchNode, scratch_node
 

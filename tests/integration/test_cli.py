@@ -21,10 +21,10 @@ import pytest
 from conftest import message_count, wait_for
 from typer.testing import CliRunner, Result
 
-from rabbit_delay.cli._app import app, load_commands
-from rabbit_delay.durations import iso_ms
-from rabbit_delay.topology import Topology
-from rabbit_delay.urls import MANAGEMENT_URL_ENV, URL_ENV, ManagementEndpoint
+from rabbit_delay import Topology
+from rabbit_delay._cli.app import app, load_commands
+from rabbit_delay._durations import iso_ms
+from rabbit_delay._urls import MANAGEMENT_URL_ENV, URL_ENV, ManagementEndpoint
 
 from ._publishers import broker_state, delete_queue, queue_info, toml_for
 
@@ -35,7 +35,7 @@ _INSTALLED = Path(sys.executable).with_name("rabbit-delay")
 SCRIPT = (
     [str(_INSTALLED)]
     if _INSTALLED.exists()
-    else [sys.executable, "-c", "from rabbit_delay.cli import main; main()"]
+    else [sys.executable, "-c", "from rabbit_delay._cli.app import main; main()"]
 )
 UNREACHABLE_MGMT = "http://127.0.0.1:1"
 BAD_URL = "amqp://user:s3cret@127.0.0.1:1/"
@@ -431,7 +431,7 @@ def test_password_never_printed_by_the_installed_script(
 
 SECRET = "s3cret-pw"
 APP_MODULE = """\
-from rabbit_delay.consumer import App
+from rabbit_delay import App
 
 app = App({topology!r})
 

@@ -47,16 +47,21 @@ import pytest
 from conftest import unique_namespace, wait_for
 from typer.testing import CliRunner, Result
 
+from rabbit_delay import (
+    App,
+    ConnectionSettings,
+    HandlerContext,
+    ManagementUnavailable,
+    ReconnectBackoff,
+    Topology,
+    topology_from_dict,
+)
+from rabbit_delay._cli.app import app as cli_app
+from rabbit_delay._cli.app import load_commands
+from rabbit_delay._io.management import QueueStats, get_json, read_queue_stats
+from rabbit_delay._urls import MANAGEMENT_URL_ENV, URL_ENV, management_endpoint
 from rabbit_delay.aio import AsyncPublisher
-from rabbit_delay.cli._app import app as cli_app
-from rabbit_delay.cli._app import load_commands
-from rabbit_delay.connection import Backoff, ConnectionSettings
-from rabbit_delay.consumer import App, HandlerContext
-from rabbit_delay.errors import ManagementUnavailable
-from rabbit_delay.management import QueueStats, get_json, read_queue_stats
 from rabbit_delay.sync import Publisher, connect, declare
-from rabbit_delay.topology import Topology, topology_from_dict
-from rabbit_delay.urls import MANAGEMENT_URL_ENV, URL_ENV, management_endpoint
 
 from ._scratch_node import (
     ScratchCluster,
@@ -80,7 +85,7 @@ BATCH = 200  # what a publisher sends after its node died (its failover)
 # What the test waits, after the second kill, for every message (last due 3 s later).
 DRAIN_S = 15.0
 HELD_MS = 3000  # consumer_disconnected_timeout (RabbitMQ 4.3+) of the test's cluster
-FAST = ConnectionSettings(backoff=Backoff(initial_s=0.05, max_s=0.5), connect_timeout_s=3)
+FAST = ConnectionSettings(backoff=ReconnectBackoff(initial_s=0.05, max_s=0.5), connect_timeout_s=3)
 
 
 @pytest.fixture(autouse=True)

@@ -29,13 +29,13 @@ import pika
 import pytest
 from conftest import MakeTopology, message_count, wait_for
 
-from rabbit_delay import names as h
-from rabbit_delay.dashboard import Dashboard, serve
-from rabbit_delay.message import JSON, Outgoing
-from rabbit_delay.ops.dashboard import TOKEN_HEADER, Auth
+from rabbit_delay import Topology
+from rabbit_delay import _names as h
+from rabbit_delay._envelope import JSON, Outgoing
+from rabbit_delay._ops.dashboard.execute import BrokerBackend
+from rabbit_delay._ops.dashboard.rules import TOKEN_HEADER, Auth
+from rabbit_delay._ops.dashboard.server import Dashboard, serve
 from rabbit_delay.sync import Publisher, connected, declare
-from rabbit_delay.sync.dashboard import BrokerBackend
-from rabbit_delay.topology import Topology
 
 pytestmark = pytest.mark.integration
 

@@ -26,7 +26,7 @@ import pytest
 from conftest import MakeTopology, wait_for
 from prometheus_client import CollectorRegistry
 
-from rabbit_delay.endpoints import serve as serve_metrics
+from rabbit_delay._io.endpoints import serve as serve_metrics
 from rabbit_delay.metrics import Metrics
 from rabbit_delay.sync import Publisher
 

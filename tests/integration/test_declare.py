@@ -12,12 +12,12 @@ from typing import Any
 import pika
 import pytest
 
-from rabbit_delay.broker import BrokerInfo, normalise_queue_arguments
-from rabbit_delay.errors import ArgumentConflict, DeclarationConflict
-from rabbit_delay.management import read_observed
-from rabbit_delay.plan import Action, Kind
-from rabbit_delay.topology import Topology
-from rabbit_delay.urls import ManagementEndpoint
+from rabbit_delay import DeclarationConflict, Topology
+from rabbit_delay._broker import BrokerInfo, normalise_queue_arguments
+from rabbit_delay._errors import ArgumentConflict
+from rabbit_delay._io.management import read_observed
+from rabbit_delay._plan.plan import Action, Kind
+from rabbit_delay._urls import ManagementEndpoint
 
 from ._publishers import Transport, broker_state, delete_queue, open_transport, queue_info
 

@@ -12,9 +12,9 @@ import pika
 import pytest
 from conftest import MakeTopology, unique_namespace
 
-from rabbit_delay.plan import desired
+from rabbit_delay import Topology
+from rabbit_delay._plan.plan import desired
 from rabbit_delay.sync import Publisher, declare
-from rabbit_delay.topology import Topology
 
 from .test_ops import Ops, cli
 

@@ -14,8 +14,8 @@ import pika
 import pytest
 from conftest import message_count, wait_for
 
+from rabbit_delay import Topology
 from rabbit_delay.sync import Publisher, connect, declare
-from rabbit_delay.topology import Topology
 
 pytestmark = pytest.mark.integration
 

@@ -28,18 +28,25 @@ import pytest
 from conftest import unique_namespace, wait_for
 from typer.testing import CliRunner, Result
 
-from rabbit_delay import aio
+from rabbit_delay import (
+    App,
+    BrokerUnavailable,
+    ConnectionLost,
+    ConnectionSettings,
+    HandlerContext,
+    RabbitDelayError,
+    ReconnectBackoff,
+    Topology,
+    aio,
+    topology_from_dict,
+)
+from rabbit_delay._cli.app import app as cli_app
+from rabbit_delay._cli.app import load_commands
+from rabbit_delay._ops.replay.execute import passive_counts, peek, replay_parked
+from rabbit_delay._urls import MANAGEMENT_URL_ENV, URL_ENV, redact
 from rabbit_delay.aio import AsyncPublisher
-from rabbit_delay.cli._app import app as cli_app
-from rabbit_delay.cli._app import load_commands
-from rabbit_delay.connection import Backoff, ConnectionSettings
-from rabbit_delay.consumer import App, HandlerContext
-from rabbit_delay.errors import BrokerUnavailable, ConnectionLost, RabbitDelayError
-from rabbit_delay.idempotency import MemoryStore
+from rabbit_delay.stores import MemoryStore
 from rabbit_delay.sync import Publisher, connect, declare, plan
-from rabbit_delay.sync.replay import passive_counts, peek, replay_parked
-from rabbit_delay.topology import Topology, topology_from_dict
-from rabbit_delay.urls import MANAGEMENT_URL_ENV, URL_ENV, redact
 
 from ._scratch_node import ScratchNode, scratch_kind
 from .workers.harness import RunningWorker
@@ -231,7 +238,9 @@ def test_workers_fail_over_to_the_next_node(pair: tuple[ScratchNode, ScratchNode
     loop = asyncio.new_event_loop()
     aio_on_a = loop.run_until_complete(aio.connect(a.url, name="rd-test aio on A"))
     # publishers given both nodes, open to A when it dies: their next publish moves to B
-    fast = ConnectionSettings(backoff=Backoff(initial_s=0.05, max_s=0.5), connect_timeout_s=3)
+    fast = ConnectionSettings(
+        backoff=ReconnectBackoff(initial_s=0.05, max_s=0.5), connect_timeout_s=3
+    )
     sync_publisher = Publisher.connect(topology, [a.url, b.url], settings=fast)
     async_publisher = loop.run_until_complete(
         AsyncPublisher.connect(topology, [a.url, b.url], settings=fast)

@@ -34,13 +34,19 @@ import pika.exceptions
 import pytest
 from conftest import server_info, unique_namespace
 
+from rabbit_delay import (
+    App,
+    BrokerBlocked,
+    ConnectionSettings,
+    HandlerContext,
+    ReconnectBackoff,
+    Topology,
+    UnconfirmedError,
+    topology_from_dict,
+)
 from rabbit_delay.aio import AsyncPublisher
-from rabbit_delay.connection import Backoff, ConnectionSettings
-from rabbit_delay.consumer import App, HandlerContext
-from rabbit_delay.errors import BrokerBlocked, UnconfirmedError
-from rabbit_delay.idempotency import MemoryStore
+from rabbit_delay.stores import MemoryStore
 from rabbit_delay.sync import Publisher, connect, declare
-from rabbit_delay.topology import Topology, topology_from_dict
 
 from ._figures import Tally, record, wait_until
 from ._proxy import CutProxy
@@ -58,7 +64,7 @@ pytestmark = [
 QUEUE = "orders.cancel"
 TRANSPORTS = ("sync", "async")
 # Reconnect fast: the faults below last milliseconds (a cut) to seconds (a restart).
-FAST = ConnectionSettings(backoff=Backoff(initial_s=0.05, max_s=0.5), connect_timeout_s=3)
+FAST = ConnectionSettings(backoff=ReconnectBackoff(initial_s=0.05, max_s=0.5), connect_timeout_s=3)
 RECOVERY_S = 45.0  # the publishers' recovery deadline: longer than any restart here
 CALL_TIMEOUT_S = 60.0  # an async publisher's work past this fails the test
 

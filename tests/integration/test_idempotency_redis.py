@@ -35,14 +35,8 @@ from idempotency_contract import (
     new_key,
 )
 
-from rabbit_delay.idempotency import (
-    AsyncGuard,
-    AsyncIdempotencyStore,
-    AsyncRedisStore,
-    Guard,
-    RedisStore,
-    SyncStoreAsAsync,
-)
+from rabbit_delay._idempotency.guard import AsyncGuard, Guard, SyncStoreAsAsync
+from rabbit_delay.stores import AsyncIdempotencyStore, AsyncRedisStore, RedisStore
 
 REDIS_URL_ENV = "RABBIT_DELAY_TEST_REDIS_URL"
 

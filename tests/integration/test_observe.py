@@ -17,13 +17,12 @@ import pytest
 from conftest import Spans, wait_for
 from prometheus_client import CollectorRegistry
 
-from rabbit_delay import names as h
-from rabbit_delay import tracing
-from rabbit_delay.consumer import App, HandlerContext, Reject, Retry
-from rabbit_delay.idempotency import MemoryStore
+from rabbit_delay import App, HandlerContext, Reject, Retry, Topology
+from rabbit_delay import _names as h
+from rabbit_delay._observe import tracing
 from rabbit_delay.metrics import Metrics
+from rabbit_delay.stores import MemoryStore
 from rabbit_delay.sync import Publisher, connect, declare
-from rabbit_delay.topology import Topology
 
 from .workers.harness import HANDLER_KINDS, RunningWorker, transport
 

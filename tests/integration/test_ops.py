@@ -21,14 +21,14 @@ import pytest
 from conftest import MakeTopology, delete_topology, unique_namespace, wait_for
 from typer.testing import CliRunner, Result
 
-from rabbit_delay import names as h
-from rabbit_delay.broker import BrokerInfo
-from rabbit_delay.cli._app import app, load_commands
-from rabbit_delay.cli.ops import EXIT_ATTENTION
-from rabbit_delay.message import JSON
+from rabbit_delay import Topology, topology_from_dict
+from rabbit_delay import _names as h
+from rabbit_delay._broker import BrokerInfo
+from rabbit_delay._cli.app import app, load_commands
+from rabbit_delay._cli.ops import EXIT_ATTENTION
+from rabbit_delay._envelope import JSON
+from rabbit_delay._urls import MANAGEMENT_URL_ENV, URL_ENV, ManagementEndpoint
 from rabbit_delay.sync import Publisher, connected, declare
-from rabbit_delay.topology import Topology, topology_from_dict
-from rabbit_delay.urls import MANAGEMENT_URL_ENV, URL_ENV, ManagementEndpoint
 
 from ._publishers import toml_for
 from ._terminal import Terminal

@@ -31,11 +31,10 @@ import pika
 import pytest
 from conftest import message_count, wait_for
 
-from rabbit_delay import names as h
-from rabbit_delay.errors import ConfigError, DuplicateMessageError, OutboxError
+from rabbit_delay import ConfigError, DuplicateMessageError, OutboxError, Topology
+from rabbit_delay import _names as h
 from rabbit_delay.outbox import Outbox, Relay
 from rabbit_delay.sync import connect, declare
-from rabbit_delay.topology import Topology
 
 pytestmark = [pytest.mark.integration]
 
@@ -163,7 +162,7 @@ def relay_command(db: Db, topology_file: Path, url: str, *args: str) -> list[str
     return [
         sys.executable,
         "-c",
-        "from rabbit_delay.cli import main; main()",
+        "from rabbit_delay._cli.app import main; main()",
         "relay",
         str(topology_file),
         "--db",

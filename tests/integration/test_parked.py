@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from conftest import MakeTopology
 
-from rabbit_delay import names as h
-from rabbit_delay.message import BINARY, JSON, Outgoing
+from rabbit_delay import _names as h
+from rabbit_delay._envelope import BINARY, JSON, Outgoing
 from rabbit_delay.sync import Publisher
 
 from ._terminal import Terminal

@@ -1,5 +1,5 @@
 """Least privilege on the broker under test: users with exactly the permissions
-`rabbit_delay.permissions` computes (no tags), each in the test's own namespace.
+`rabbit_delay._plan.permissions` computes (no tags), each in the test's own namespace.
 
 The declarer declares; the publisher publishes (both transports); the worker consumes,
 retries and parks (both transports) without any configure permission. Given too
@@ -31,18 +31,15 @@ import pytest
 from conftest import MakeTopology, message_count, server_info, wait_for
 from typer.testing import CliRunner
 
-from rabbit_delay import aio
-from rabbit_delay.broker import BrokerInfo
-from rabbit_delay.cli._app import app as cli_app
-from rabbit_delay.cli._app import load_commands
-from rabbit_delay.consumer import App, HandlerContext
-from rabbit_delay.errors import AccessRefused, ManagementUnavailable
-from rabbit_delay.idempotency import MemoryStore
-from rabbit_delay.management import checked, peek_messages
-from rabbit_delay.permissions import Permissions, Role, permissions
+from rabbit_delay import AccessRefused, App, HandlerContext, ManagementUnavailable, Topology, aio
+from rabbit_delay._broker import BrokerInfo
+from rabbit_delay._cli.app import app as cli_app
+from rabbit_delay._cli.app import load_commands
+from rabbit_delay._io.management import checked, peek_messages
+from rabbit_delay._plan.permissions import Permissions, Role, permissions
+from rabbit_delay._urls import ManagementEndpoint, management_endpoints, vhost_of
+from rabbit_delay.stores import MemoryStore
 from rabbit_delay.sync import Publisher, connect, connected, declare
-from rabbit_delay.topology import Topology
-from rabbit_delay.urls import ManagementEndpoint, management_endpoints, vhost_of
 
 from .workers.harness import KINDS, RunningWorker, get_all
 

@@ -32,21 +32,22 @@ import pika
 import pika.exceptions
 import pytest
 
-from rabbit_delay import aio
-from rabbit_delay import names as h
-from rabbit_delay.broker import BrokerInfo
-from rabbit_delay.errors import (
+from rabbit_delay import (
     DeclarationConflict,
     IncompatibleBroker,
     MissingObjectError,
     MissingPluginError,
+    Topology,
+    aio,
+    topology_from_dict,
 )
-from rabbit_delay.management import read_observed
-from rabbit_delay.plan import ExchangeSpec, Operation, QueueSpec, SupportsType, desired
+from rabbit_delay import _names as h
+from rabbit_delay._broker import BrokerInfo
+from rabbit_delay._io.management import read_observed
+from rabbit_delay._plan.plan import ExchangeSpec, Operation, QueueSpec, SupportsType, desired
+from rabbit_delay._urls import ManagementEndpoint
 from rabbit_delay.sync import Publisher, connect, declare, plan
-from rabbit_delay.sync.declarer import run_program
-from rabbit_delay.topology import Topology, topology_from_dict
-from rabbit_delay.urls import ManagementEndpoint
+from rabbit_delay.sync._declarer import run_program
 
 from ._scratch_node import Collector
 
@@ -281,8 +282,7 @@ def test_cli_plan_without_the_plugin_exits_1_with_the_hint(
 ) -> None:
     from typer.testing import CliRunner
 
-    from rabbit_delay.cli import app
-    from rabbit_delay.cli._app import load_commands
+    from rabbit_delay._cli.app import app, load_commands
 
     load_commands()
     topology = make_topology(**plugin_data())

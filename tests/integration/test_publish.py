@@ -23,14 +23,15 @@ import pytest
 from conftest import message_count, wait_for
 from pydantic import BaseModel
 
-from rabbit_delay.errors import (
+from rabbit_delay import (
     DelayError,
     EncodeError,
     MissingObjectError,
+    Topology,
     UnknownTargetError,
     UnroutableError,
+    topology_from_dict,
 )
-from rabbit_delay.topology import Topology, topology_from_dict
 
 from ._publishers import (
     Arrival,

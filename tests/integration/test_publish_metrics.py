@@ -9,11 +9,9 @@ import pika
 import pytest
 from prometheus_client import CollectorRegistry
 
-from rabbit_delay import aio
-from rabbit_delay.errors import UnroutableError
+from rabbit_delay import Topology, UnroutableError, aio
 from rabbit_delay.metrics import Metrics
 from rabbit_delay.sync import Publisher, connect, declare
-from rabbit_delay.topology import Topology
 
 pytestmark = pytest.mark.integration
 

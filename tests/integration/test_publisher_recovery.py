@@ -25,11 +25,17 @@ from typing import Any
 import pika
 import pytest
 
+from rabbit_delay import (
+    BrokerBlocked,
+    ConnectionSettings,
+    RabbitDelayError,
+    ReconnectBackoff,
+    Topology,
+    UnconfirmedError,
+    topology_from_dict,
+)
 from rabbit_delay.aio import AsyncPublisher
-from rabbit_delay.connection import Backoff, ConnectionSettings
-from rabbit_delay.errors import BrokerBlocked, RabbitDelayError, UnconfirmedError
 from rabbit_delay.sync import Publisher, connect, declare
-from rabbit_delay.topology import Topology, topology_from_dict
 
 from ._scratch_node import ScratchNode, scratch_kind, started_node
 
@@ -47,7 +53,9 @@ QUEUE = "jobs"
 # rabbitmqctl's own timeout (ScratchNode.ctl) and a margin
 CLOSE_WAIT_S = 150.0
 READ_STALL_S = 10.0
-SETTINGS = ConnectionSettings(backoff=Backoff(initial_s=0.1, max_s=0.5), connect_timeout_s=2)
+SETTINGS = ConnectionSettings(
+    backoff=ReconnectBackoff(initial_s=0.1, max_s=0.5), connect_timeout_s=2
+)
 
 
 @pytest.fixture(scope="module")

@@ -25,18 +25,18 @@ from pydantic import BaseModel
 from typer.testing import CliRunner
 from worker_behaviour import Calls, handler
 
-from rabbit_delay.cli._app import app as cli_app
-from rabbit_delay.cli._app import load_commands
-from rabbit_delay.consumer import (
+from rabbit_delay import (
     App,
     AsyncReconcileContext,
     HandlerContext,
     ReconcileContext,
     Resubmit,
+    Topology,
 )
-from rabbit_delay.message import now_ms
+from rabbit_delay._cli.app import app as cli_app
+from rabbit_delay._cli.app import load_commands
+from rabbit_delay._envelope import now_ms
 from rabbit_delay.sync import Publisher, connect, declare
-from rabbit_delay.topology import Topology
 
 from ._publishers import toml_for
 from .workers.harness import HANDLER_KINDS, KINDS, RunningWorker, get_all
@@ -267,7 +267,7 @@ def test_an_error_in_a_reconciler_never_stops_the_worker(
 
 APP_MODULE = """
 import json, os
-from rabbit_delay.consumer import App, Resubmit
+from rabbit_delay import App, Resubmit
 
 app = App(os.environ["RD_TEST_TOPOLOGY"])
 

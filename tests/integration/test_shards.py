@@ -19,18 +19,17 @@ from typing import Any
 import pytest
 from conftest import message_count, wait_for
 
-from rabbit_delay import names as h
-from rabbit_delay.consumer import App, HandlerContext
-from rabbit_delay.delays import shard_index
-from rabbit_delay.idempotency import MemoryStore
-from rabbit_delay.management import read_observed
-from rabbit_delay.ops.status import Role
-from rabbit_delay.plan import Action, Kind
+from rabbit_delay import App, HandlerContext, Topology
+from rabbit_delay import _names as h
+from rabbit_delay._io.management import read_observed
+from rabbit_delay._ops.replay.execute import replay_parked
+from rabbit_delay._ops.status.execute import read_status
+from rabbit_delay._ops.status.rules import Role
+from rabbit_delay._plan.plan import Action, Kind
+from rabbit_delay._topology.delays import shard_index
+from rabbit_delay._urls import ManagementEndpoint
+from rabbit_delay.stores import MemoryStore
 from rabbit_delay.sync import connect
-from rabbit_delay.sync.replay import replay_parked
-from rabbit_delay.sync.status import read_status
-from rabbit_delay.topology import Topology
-from rabbit_delay.urls import ManagementEndpoint
 
 from ._publishers import Collector, Transport, broker_state, open_transport, queue_info
 from .workers.harness import KINDS, RunningWorker

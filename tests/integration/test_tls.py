@@ -33,18 +33,24 @@ import pytest
 from conftest import unique_namespace, wait_for
 from typer.testing import CliRunner
 
-from rabbit_delay import aio
-from rabbit_delay.cli._app import app as cli_app
-from rabbit_delay.cli._app import load_commands
-from rabbit_delay.connection import ConnectionSettings
-from rabbit_delay.consumer import App, HandlerContext
-from rabbit_delay.errors import BrokerUnavailable, ConfigError, RabbitDelayError
-from rabbit_delay.idempotency import MemoryStore
-from rabbit_delay.management import checked, read_queue_stats
+from rabbit_delay import (
+    App,
+    BrokerUnavailable,
+    ConfigError,
+    ConnectionSettings,
+    HandlerContext,
+    RabbitDelayError,
+    TLSOptions,
+    Topology,
+    aio,
+    topology_from_dict,
+)
+from rabbit_delay._cli.app import app as cli_app
+from rabbit_delay._cli.app import load_commands
+from rabbit_delay._io.management import checked, read_queue_stats
+from rabbit_delay._urls import management_endpoints
+from rabbit_delay.stores import MemoryStore
 from rabbit_delay.sync import Publisher, broker_info, connect, connected, declare
-from rabbit_delay.tls import TLSOptions
-from rabbit_delay.topology import Topology, topology_from_dict
-from rabbit_delay.urls import management_endpoints
 
 from ._certs import Pki, make_pki
 from ._scratch_node import ScratchNode, _free_base_port, _port_free, scratch_kind, started_node

@@ -33,15 +33,15 @@ import pytest
 from conftest import MakeTopology, delete_topology, message_count, server_info, wait_for
 from typer.testing import CliRunner, Result
 
-from rabbit_delay import names as h
-from rabbit_delay.broker import BrokerInfo
-from rabbit_delay.cli._app import app, load_commands
-from rabbit_delay.message import Outgoing
-from rabbit_delay.ops.transfer import SourceKind, Transfer
+from rabbit_delay import Topology, topology_from_dict
+from rabbit_delay import _names as h
+from rabbit_delay._broker import BrokerInfo
+from rabbit_delay._cli.app import app, load_commands
+from rabbit_delay._envelope import Outgoing
+from rabbit_delay._ops.transfer.execute import transfer
+from rabbit_delay._ops.transfer.rules import SourceKind, Transfer
+from rabbit_delay._urls import DEFAULT_URL, redact
 from rabbit_delay.sync import Publisher, connect, declare
-from rabbit_delay.sync.transfer import transfer
-from rabbit_delay.topology import Topology, topology_from_dict
-from rabbit_delay.urls import DEFAULT_URL, redact
 
 from ._figures import Tally, record
 from ._scratch_node import Collector, Received
@@ -54,7 +54,7 @@ _INSTALLED = Path(sys.executable).with_name("rabbit-delay")
 SCRIPT = (
     [str(_INSTALLED)]
     if _INSTALLED.exists()
-    else [sys.executable, "-c", "from rabbit_delay.cli import main; main()"]
+    else [sys.executable, "-c", "from rabbit_delay._cli.app import main; main()"]
 )
 # Dead-lettering a burst of thousands of due messages takes the broker seconds
 # (shared/RABBITMQ_NOTES.md: p99 3-4 s for 60,000 into one buffer on an idle machine).
@@ -112,7 +112,7 @@ def counts(url: str, queues: list[str]) -> dict[str, int]:
 
 
 def every_queue(topology: Topology) -> list[str]:
-    from rabbit_delay.plan import desired
+    from rabbit_delay._plan.plan import desired
 
     return [spec.name for spec in desired(topology).queues]
 

@@ -34,14 +34,12 @@ from worker_behaviour import (
     publish,
 )
 
-from rabbit_delay.broker import BrokerInfo
-from rabbit_delay.consumer import App, HandlerContext
-from rabbit_delay.errors import ConfigError
-from rabbit_delay.idempotency import MemoryStore
-from rabbit_delay.message import now_ms
+from rabbit_delay import App, ConfigError, HandlerContext, Topology, topology_from_dict
+from rabbit_delay._broker import BrokerInfo
+from rabbit_delay._envelope import now_ms
+from rabbit_delay._urls import ManagementEndpoint
+from rabbit_delay.stores import MemoryStore
 from rabbit_delay.sync import Publisher, connect, declare, plan
-from rabbit_delay.topology import Topology, topology_from_dict
-from rabbit_delay.urls import ManagementEndpoint
 
 from ._scratch_node import ScratchNode, scratch_kind, server_info, started_node
 from .workers.harness import (
@@ -231,7 +229,7 @@ def test_reconnects_after_the_server_closes_the_connection(
 
 
 def test_the_sync_worker_refuses_an_async_handler(make_topology: Callable[..., Topology]) -> None:
-    from rabbit_delay.sync.worker import Worker
+    from rabbit_delay import Worker
 
     app = App(make_topology(), store=MemoryStore())
 

@@ -31,8 +31,8 @@ import pika
 import pytest
 from conftest import delete_topology, message_count, unique_namespace, wait_for
 
+from rabbit_delay import Topology, load_topology
 from rabbit_delay.sync import Publisher, connect, declare
-from rabbit_delay.topology import Topology, load_topology
 
 from .workers.harness import KINDS, start_cli_worker
 
@@ -429,7 +429,7 @@ CANCEL_DELAY = "3s"
 CANCEL_DELAY_S = 3.0
 MARGIN_S = 3.0
 
-CANCEL = "import sys; from rabbit_delay.consumer import App; App(sys.argv[1]).cancel(sys.argv[2])"
+CANCEL = "import sys; from rabbit_delay import App; App(sys.argv[1]).cancel(sys.argv[2])"
 
 
 @pytest.mark.timeout(90)

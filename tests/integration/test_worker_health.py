@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 from conftest import wait_for
 
+from rabbit_delay import topology_from_dict
+from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topology
 from rabbit_delay.sync import connect, declare
-from rabbit_delay.sync import delete_topology as sync_delete_topology
-from rabbit_delay.topology import topology_from_dict
 
 from ._scratch_node import ScratchNode, scratch_kind, started_node
 from .workers.harness import KINDS, start_cli_worker

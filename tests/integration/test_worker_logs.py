@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from conftest import message_count, wait_for
 
+from rabbit_delay import Topology
 from rabbit_delay.sync import Publisher, connect, declare
-from rabbit_delay.topology import Topology
 
 from .workers.harness import KINDS
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration
 
 QUEUE = "orders.cancel"
 APP = """\
-from rabbit_delay.consumer import App
+from rabbit_delay import App
 
 app = App({topology!r})
 

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 from conftest import message_count, wait_for
 
+from rabbit_delay import Topology
 from rabbit_delay.sync import Publisher, connect, declare
-from rabbit_delay.topology import Topology
 
 from .workers.harness import HANDLER_KINDS, KINDS, WORKERS_DIR, start_cli_worker
 
@@ -255,7 +255,7 @@ def test_the_cli_refuses_what_the_worker_cannot_run(
         "RD_TEST_LOG": str(tmp_path / "log"),
         "RD_TEST_ASYNC": "1",  # an async def handler...
     }
-    cli = [sys.executable, "-c", "from rabbit_delay.cli import main; main()", "worker"]
+    cli = [sys.executable, "-c", "from rabbit_delay._cli.app import main; main()", "worker"]
     refused = subprocess.run(
         [*cli, "crash_app:app", "--app-dir", str(WORKERS_DIR), "--transport", "sync"],
         env=env,

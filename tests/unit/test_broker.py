@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rabbit_delay.broker import UNKNOWN, BrokerInfo, normalise_queue_arguments, parse_version
+from rabbit_delay._broker import UNKNOWN, BrokerInfo, normalise_queue_arguments, parse_version
 
 
 @pytest.mark.parametrize(

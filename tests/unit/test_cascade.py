@@ -11,13 +11,24 @@ from typing import Any
 
 import pytest
 
-from rabbit_delay import delays
-from rabbit_delay import names as h
-from rabbit_delay.delays import CASCADE, MAX_ROUTING_KEY_BYTES, Router, cascade_routing_key
-from rabbit_delay.errors import DelayError, TopologyError, UnknownTargetError
-from rabbit_delay.plan import BindingSpec, Desired, ExchangeSpec, Kind, QueueSpec, desired
-from rabbit_delay.publishing import PublisherCore
-from rabbit_delay.topology import Topology, load_topology, topology_from_dict
+from rabbit_delay import (
+    DelayError,
+    Topology,
+    TopologyError,
+    UnknownTargetError,
+    load_topology,
+    topology_from_dict,
+)
+from rabbit_delay import _names as h
+from rabbit_delay._plan.plan import BindingSpec, Desired, ExchangeSpec, Kind, QueueSpec, desired
+from rabbit_delay._publishing.core import PublisherCore
+from rabbit_delay._topology import delays
+from rabbit_delay._topology.delays import (
+    CASCADE,
+    MAX_ROUTING_KEY_BYTES,
+    Router,
+    cascade_routing_key,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -23,12 +23,11 @@ import pytest
 from typer.testing import CliRunner, Result
 
 import rabbit_delay
-from rabbit_delay.cli._app import app, load_commands, wants_json
-from rabbit_delay.durations import format_ms, iso, iso_ms, parse_ms
-from rabbit_delay.errors import DelayError, DurationError
-from rabbit_delay.publishing import PublisherCore
-from rabbit_delay.topology import topology_from_dict
-from rabbit_delay.urls import URL_ENV
+from rabbit_delay import DelayError, DurationError, topology_from_dict
+from rabbit_delay._cli.app import app, load_commands, wants_json
+from rabbit_delay._durations import format_ms, iso, iso_ms, parse_ms
+from rabbit_delay._publishing.core import PublisherCore
+from rabbit_delay._urls import URL_ENV
 
 load_commands()
 

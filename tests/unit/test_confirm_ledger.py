@@ -11,22 +11,22 @@ from typing import Any
 
 import pytest
 
-from rabbit_delay._confirms import BlockedState, Ledger, Recovery, State, recoverable
-from rabbit_delay.connection import ConnectionSettings
-from rabbit_delay.errors import (
+from rabbit_delay import (
     AccessRefused,
     BrokerBlocked,
     BrokerUnavailable,
     ConfigError,
     ConnectionLost,
+    ConnectionSettings,
     MissingObjectError,
     NackError,
     UnconfirmedError,
     UnroutableError,
+    topology_from_dict,
 )
-from rabbit_delay.message import Outgoing
-from rabbit_delay.publishing import PublisherCore
-from rabbit_delay.topology import topology_from_dict
+from rabbit_delay._envelope import Outgoing
+from rabbit_delay._publishing.confirms import BlockedState, Ledger, Recovery, State, recoverable
+from rabbit_delay._publishing.core import PublisherCore
 
 
 def outs(n: int, prefix: str = "m") -> list[Outgoing]:

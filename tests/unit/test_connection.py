@@ -8,19 +8,16 @@ import socket
 
 import pytest
 
-from rabbit_delay.connection import (
-    Backoff,
+from rabbit_delay import ConfigError, ConnectionSettings, ReconnectBackoff, TLSOptions
+from rabbit_delay._connection import (
     Cause,
-    ConnectionSettings,
     cause_of,
     describe_failure,
     failover_order,
     query_keys,
     unavailable_message,
 )
-from rabbit_delay.errors import ConfigError
-from rabbit_delay.tls import TLSOptions
-from rabbit_delay.urls import DEFAULT_URL, URL_ENV, broker_url, broker_urls
+from rabbit_delay._urls import DEFAULT_URL, URL_ENV, broker_url, broker_urls
 
 A = "amqp://app:pw1@node-a:5672/shop"
 B = "amqps://app:pw2@node-b:5671/shop?cafile=/etc/ca.pem"
@@ -146,16 +143,16 @@ def test_after_a_loss_the_next_nodes_come_first_and_the_lost_one_last() -> None:
 
 
 def test_backoff_doubles_up_to_its_maximum() -> None:
-    delays = Backoff(initial_s=0.25, max_s=2.0, jitter=0).delays()
+    delays = ReconnectBackoff(initial_s=0.25, max_s=2.0, jitter=0).delays()
     assert list(itertools.islice(delays, 6)) == [0.25, 0.5, 1.0, 2.0, 2.0, 2.0]
 
 
 def test_backoff_jitter_stays_within_its_spread_and_under_the_maximum() -> None:
-    low = Backoff(initial_s=1.0, max_s=4.0, jitter=0.5).delays(rand=lambda: 0.0)
-    high = Backoff(initial_s=1.0, max_s=4.0, jitter=0.5).delays(rand=lambda: 0.999999)
+    low = ReconnectBackoff(initial_s=1.0, max_s=4.0, jitter=0.5).delays(rand=lambda: 0.0)
+    high = ReconnectBackoff(initial_s=1.0, max_s=4.0, jitter=0.5).delays(rand=lambda: 0.999999)
     assert [round(d, 3) for d in itertools.islice(low, 4)] == [0.5, 1.0, 2.0, 2.0]
     assert [round(d, 3) for d in itertools.islice(high, 4)] == [1.5, 3.0, 4.0, 4.0]
-    spread = Backoff(initial_s=1.0, max_s=8.0, jitter=0.2).delays()
+    spread = ReconnectBackoff(initial_s=1.0, max_s=8.0, jitter=0.2).delays()
     first = [next(spread) for _ in range(3)]
     assert 0.8 <= first[0] <= 1.2
     assert 1.6 <= first[1] <= 2.4
@@ -172,7 +169,7 @@ def test_backoff_jitter_stays_within_its_spread_and_under_the_maximum() -> None:
 )
 def test_backoff_refuses_a_bad_range(bad: dict[str, float]) -> None:
     with pytest.raises(ConfigError, match="backoff"):
-        Backoff(**bad)
+        ReconnectBackoff(**bad)
 
 
 # -- why an attempt failed ---------------------------------------------------------------------

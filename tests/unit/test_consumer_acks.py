@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from rabbit_delay.consumer._acks import AckTracker
+from rabbit_delay._consumer.acks import AckTracker
 
 
 def delivered(*tags: int) -> AckTracker:
@@ -118,10 +118,8 @@ async def test_the_async_worker_writes_ack_flushes_in_order() -> None:
     # A flush's multiple-ack assumes the single acks of earlier flushes are on the wire:
     # overtaking one would settle its tag first, and its own ack would then close the
     # channel (406 unknown delivery tag). Seen under load before the writes were ordered.
-    from rabbit_delay.aio.worker import AsyncWorker
-    from rabbit_delay.consumer import App
-    from rabbit_delay.idempotency import MemoryStore
-    from rabbit_delay.topology import topology_from_dict
+    from rabbit_delay import App, AsyncWorker, topology_from_dict
+    from rabbit_delay.stores import MemoryStore
 
     topology = topology_from_dict({"namespace": "s", "tiers": {"1s": "1s"}, "queues": {"q": {}}})
     app = App(topology, store=MemoryStore())

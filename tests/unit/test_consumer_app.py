@@ -8,22 +8,13 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from rabbit_delay import names as h
-from rabbit_delay.consumer import (
-    App,
-    HandlerContext,
-    Park,
-    ParkReason,
-    Prepared,
-    Transport,
-    WorkerMetrics,
-    WorkerStats,
-)
-from rabbit_delay.consumer._stats import log_action
-from rabbit_delay.errors import ConfigError
-from rabbit_delay.idempotency import ClaimResult, MemoryStore
+from rabbit_delay import App, ConfigError, HandlerContext, Topology, topology_from_dict
+from rabbit_delay import _names as h
+from rabbit_delay._consumer.app import Prepared, Transport
+from rabbit_delay._consumer.decide import Park, ParkReason
+from rabbit_delay._consumer.stats import WorkerMetrics, WorkerStats, log_action
 from rabbit_delay.metrics import Metrics
-from rabbit_delay.topology import Topology, topology_from_dict
+from rabbit_delay.stores import ClaimResult, MemoryStore
 
 NOW = 1_800_000_000_000
 

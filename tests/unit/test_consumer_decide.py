@@ -1,4 +1,4 @@
-"""The retry/park decision (`rabbit_delay.consumer.decide`): pure, no broker."""
+"""The retry/park decision (`rabbit_delay._consumer.decide.decide`): pure, no broker."""
 
 from __future__ import annotations
 
@@ -7,30 +7,29 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from rabbit_delay import names as h
-from rabbit_delay.broker import UNKNOWN, BrokerInfo
-from rabbit_delay.consumer import (
+from rabbit_delay import ConfigError, Reject, Retry, Topology, topology_from_dict
+from rabbit_delay import _names as h
+from rabbit_delay._broker import UNKNOWN, BrokerInfo
+from rabbit_delay._consumer.decide import (
     ACK,
+    MAX_ERROR_MESSAGE,
+    MAX_TRACEBACK,
     BrokerRetry,
     Park,
     ParkReason,
     QueuePolicy,
-    Reject,
     Republish,
     RepublishReason,
     Requeue,
-    Retry,
     Skip,
     SkipReason,
     Unavailable,
     Undecodable,
     decide,
+    error_type_of,
 )
-from rabbit_delay.consumer._decide import MAX_ERROR_MESSAGE, MAX_TRACEBACK, error_type_of
-from rabbit_delay.errors import ConfigError
-from rabbit_delay.idempotency import ClaimResult
-from rabbit_delay.message import Envelope
-from rabbit_delay.topology import Topology, topology_from_dict
+from rabbit_delay._envelope import Envelope
+from rabbit_delay.stores import ClaimResult
 
 NOW = 1_800_000_000_000
 BODY = b'{"order_id":1}'
@@ -213,7 +212,7 @@ def test_reject_parks_at_once_with_its_reason() -> None:
     assert isinstance(action, Park)
     assert action.reason is ParkReason.REJECTED
     assert action.outgoing.headers[h.H_ERROR_MESSAGE] == "not our order"
-    assert action.outgoing.headers[h.H_ERROR_TYPE] == "rabbit_delay.consumer.Reject"
+    assert action.outgoing.headers[h.H_ERROR_TYPE] == "rabbit_delay.Reject"
     assert h.H_ERROR_TRACEBACK not in action.outgoing.headers
 
 
@@ -439,6 +438,6 @@ def test_error_type_names_drop_private_modules() -> None:
         pass
 
     assert error_type_of(ValueError()) == "ValueError"
-    assert error_type_of(ConfigError("x")) == "rabbit_delay.errors.ConfigError"
+    assert error_type_of(ConfigError("x")) == "rabbit_delay.ConfigError"
     name = error_type_of(Local())
     assert name.endswith("test_error_type_names_drop_private_modules.<locals>.Local")

@@ -9,11 +9,12 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from rabbit_delay import names as h
-from rabbit_delay.broker import UNKNOWN, BrokerInfo
-from rabbit_delay.consumer import (
+from rabbit_delay import App, ConfigError, PublishError, topology_from_dict
+from rabbit_delay import _names as h
+from rabbit_delay._broker import UNKNOWN, BrokerInfo
+from rabbit_delay._consumer.app import NOT_DECODED, scoped_key
+from rabbit_delay._consumer.decide import (
     Ack,
-    App,
     Park,
     ParkReason,
     Republish,
@@ -21,8 +22,7 @@ from rabbit_delay.consumer import (
     Requeue,
     Skip,
 )
-from rabbit_delay.consumer._app import NOT_DECODED, scoped_key
-from rabbit_delay.consumer._delivery import (
+from rabbit_delay._consumer.delivery import (
     STALE,
     STOPPING,
     Claim,
@@ -36,11 +36,9 @@ from rabbit_delay.consumer._delivery import (
     WriteReject,
     delivery_program,
 )
-from rabbit_delay.consumer._lease import LeaseBook, defer_delay_ms, renew_every_ms
-from rabbit_delay.consumer._worker_base import call_handler
-from rabbit_delay.errors import ConfigError, PublishError
-from rabbit_delay.idempotency import ClaimResult, MemoryStore
-from rabbit_delay.topology import topology_from_dict
+from rabbit_delay._consumer.leases import LeaseBook, defer_delay_ms, renew_every_ms
+from rabbit_delay._consumer.worker_base import call_handler
+from rabbit_delay.stores import ClaimResult, MemoryStore
 
 NOW = 1_800_000_000_000
 LEASE = 30_000
@@ -395,7 +393,7 @@ def test_leases_are_renewed_every_third_and_a_lost_one_is_reported_once() -> Non
 
 
 def test_a_requeue_is_counted_once() -> None:
-    from rabbit_delay.sync.worker import Worker
+    from rabbit_delay import Worker
 
     worker = Worker(make_app(), "amqp://guest:guest@127.0.0.1:1/", install_signal_handlers=False)
     worker.account(Settled("orders", "m-1", 1, Requeue("store down"), requeued=True))

@@ -1,4 +1,4 @@
-"""The dashboard's pure decisions (rabbit_delay.ops.dashboard): who may connect and act,
+"""The dashboard's pure decisions (rabbit_delay._ops.dashboard.rules): who may connect and act,
 page bounds, lateness histograms from Prometheus text, the topology picture, and the
 one poller every client shares."""
 
@@ -13,9 +13,8 @@ from dataclasses import dataclass
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from rabbit_delay.errors import ConfigError
-from rabbit_delay.metrics import Metrics
-from rabbit_delay.ops.dashboard import (
+from rabbit_delay import ConfigError, Topology, topology_from_dict
+from rabbit_delay._ops.dashboard.rules import (
     MAX_PAGE,
     Auth,
     Poller,
@@ -29,9 +28,9 @@ from rabbit_delay.ops.dashboard import (
     snapshot_json,
     start_message,
 )
-from rabbit_delay.ops.status import PluginStore, Role, Status, status_rows
-from rabbit_delay.plan import desired
-from rabbit_delay.topology import Topology, topology_from_dict
+from rabbit_delay._ops.status.rules import PluginStore, Role, Status, status_rows
+from rabbit_delay._plan.plan import desired
+from rabbit_delay.metrics import Metrics
 
 SECRET = "s3cret-pw"
 

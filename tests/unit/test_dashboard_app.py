@@ -17,15 +17,14 @@ from wsgiref.util import setup_testing_defaults
 import pytest
 from typer.testing import CliRunner
 
-from rabbit_delay.cli._app import app, load_commands
-from rabbit_delay.dashboard import CSP, Dashboard
-from rabbit_delay.errors import BrokerUnavailable, MissingObjectError
-from rabbit_delay.ops.dashboard import TOKEN_HEADER, Auth
-from rabbit_delay.ops.parked import ParkedDetail, ParkedPage, find, page
-from rabbit_delay.ops.status import Status
-from rabbit_delay.replay import Stored
-from rabbit_delay.sync.replay import Moved, ReplayReport
-from rabbit_delay.topology import Topology
+from rabbit_delay import BrokerUnavailable, MissingObjectError, Topology
+from rabbit_delay._cli.app import app, load_commands
+from rabbit_delay._ops.dashboard.rules import TOKEN_HEADER, Auth
+from rabbit_delay._ops.dashboard.server import CSP, Dashboard
+from rabbit_delay._ops.parked.rules import ParkedDetail, ParkedPage, find, page
+from rabbit_delay._ops.replay.execute import Moved, ReplayReport
+from rabbit_delay._ops.replay.rules import Stored
+from rabbit_delay._ops.status.rules import Status
 
 from .test_dashboard import Counts, a_status, a_topology
 
@@ -406,7 +405,7 @@ def test_no_page_loads_anything_from_elsewhere() -> None:
 
 
 def test_the_script_and_stylesheet_are_package_data() -> None:
-    static = resources.files("rabbit_delay.dashboard").joinpath("static")
+    static = resources.files("rabbit_delay._ops.dashboard").joinpath("static")
     assert static.joinpath("dashboard.js").is_file()
     assert static.joinpath("dashboard.css").is_file()
 

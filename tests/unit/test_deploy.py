@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from rabbit_delay.consumer import App
-from rabbit_delay.durations import parse_ms
+from rabbit_delay import App
+from rabbit_delay._durations import parse_ms
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

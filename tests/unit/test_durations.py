@@ -6,8 +6,8 @@ from datetime import timedelta
 
 import pytest
 
-from rabbit_delay.durations import MAX_TTL_MS, format_ms, parse_ms, parse_positive_ms
-from rabbit_delay.errors import ConfigError, DurationError
+from rabbit_delay import ConfigError, DurationError
+from rabbit_delay._durations import MAX_TTL_MS, format_ms, parse_ms, parse_positive_ms
 
 
 @pytest.mark.parametrize(

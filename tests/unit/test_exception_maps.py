@@ -19,8 +19,7 @@ from pika.adapters.utils.connection_workflow import (
     AMQPConnectorSocketConnectError,
 )
 
-from rabbit_delay.aio import _errors as aio_map
-from rabbit_delay.errors import (
+from rabbit_delay import (
     AccessRefused,
     BrokerBlocked,
     BrokerError,
@@ -32,6 +31,7 @@ from rabbit_delay.errors import (
     UnconfirmedError,
     UnroutableError,
 )
+from rabbit_delay.aio import _errors as aio_map
 from rabbit_delay.sync import _errors as pika_map
 
 REFUSED_WRITE = "ACCESS_REFUSED - write access to queue 'ns.q' in vhost '/' refused for user 'app'"

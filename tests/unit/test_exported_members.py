@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 
@@ -9,40 +10,85 @@ import pytest
 
 import rabbit_delay
 
+# What an application writes: the app, handlers' signals and context, the transports
+# (lazily), the topology, reconciliation, connection settings and the error tree.
 EXPECTED = {
-    "AccessRefused",
-    "ArgumentConflict",
-    "BrokerBlocked",
-    "ConnectionLost",
-    "UnconfirmedError",
+    "App",
+    "HandlerContext",
+    "Retry",
+    "Reject",
+    "Publisher",
     "AsyncPublisher",
+    "Worker",
+    "AsyncWorker",
+    "Topology",
+    "load_topology",
+    "topology_from_dict",
+    "Resubmit",
+    "ReconcileContext",
+    "AsyncReconcileContext",
+    "ConnectionSettings",
+    "ReconnectBackoff",
+    "TLSOptions",
+    "__version__",
+    # the error tree (rabbit_delay._errors)
+    "RabbitDelayError",
+    "ConfigError",
+    "DurationError",
+    "TopologyError",
+    "PublishError",
+    "DelayError",
+    "UnknownTargetError",
+    "EncodeError",
+    "DuplicateMessageError",
+    "UnroutableError",
+    "NackError",
+    "UnconfirmedError",
+    "BrokerBlocked",
     "BrokerError",
     "BrokerUnavailable",
-    "ConfigError",
+    "ConnectionLost",
+    "AccessRefused",
     "DeclarationConflict",
-    "DecodeError",
-    "DelayError",
-    "DurationError",
-    "EncodeError",
     "MissingObjectError",
-    "IncompatibleBroker",
-    "ManagementUnavailable",
     "MissingPluginError",
-    "NackError",
-    "Names",
-    "PublishError",
-    "Publisher",
-    "QueueType",
-    "RabbitDelayError",
-    "Topology",
-    "TopologyError",
-    "UnknownTargetError",
-    "UnroutableError",
-    "format_ms",
-    "load_topology",
-    "parse_ms",
-    "redact",
-    "topology_from_dict",
+    "ManagementUnavailable",
+    "IncompatibleBroker",
+    "OutboxError",
+    "DecodeError",
+}
+
+# The documented submodules, each with its own small surface.
+SUBMODULES = {
+    "rabbit_delay.sync": {
+        "Publisher",
+        "Worker",
+        "broker_info",
+        "connect",
+        "connected",
+        "declare",
+        "plan",
+    },
+    "rabbit_delay.aio": {
+        "AsyncPublisher",
+        "AsyncWorker",
+        "broker_info",
+        "connect",
+        "declare",
+        "plan",
+    },
+    "rabbit_delay.stores": {
+        "AsyncIdempotencyStore",
+        "AsyncRedisStore",
+        "AsyncSQLiteStore",
+        "ClaimResult",
+        "IdempotencyStore",
+        "MemoryStore",
+        "RedisStore",
+        "SQLiteStore",
+    },
+    "rabbit_delay.metrics": {"Metrics", "default_metrics", "start_metrics_server"},
+    "rabbit_delay.tracing": {"configure"},
 }
 
 
@@ -55,15 +101,31 @@ def test_all_is_exactly_the_public_surface() -> None:
 def test_every_exported_member_resolves(name: str) -> None:
     member = getattr(rabbit_delay, name)
     assert member is not None
-    module = getattr(member, "__module__", "")
+    module = getattr(member, "__module__", "rabbit_delay")
     assert module.startswith("rabbit_delay"), f"{name} comes from {module}"
+
+
+def test_public_classes_are_shown_under_their_public_name() -> None:
+    # repr, pickling and the rd-error-type header name them as a user imports them
+    for name in ("App", "Retry", "Reject", "ConfigError", "HandlerContext"):
+        assert getattr(rabbit_delay, name).__module__ == "rabbit_delay"
 
 
 def test_errors_share_one_root() -> None:
     for name in EXPECTED:
         member = getattr(rabbit_delay, name)
-        if isinstance(member, type) and issubclass(member, Exception):
+        if (
+            isinstance(member, type)
+            and issubclass(member, Exception)
+            and name
+            not in (
+                "Retry",
+                "Reject",
+            )
+        ):
             assert issubclass(member, rabbit_delay.RabbitDelayError), name
+    # handler signals are control flow, not failures of the library
+    assert not issubclass(rabbit_delay.Retry, rabbit_delay.RabbitDelayError)
 
 
 def test_unknown_attribute() -> None:
@@ -71,30 +133,36 @@ def test_unknown_attribute() -> None:
         rabbit_delay.Nope  # noqa: B018
 
 
-def test_transports_all() -> None:
+@pytest.mark.parametrize("module", sorted(SUBMODULES))
+def test_documented_submodules_export_exactly_their_surface(module: str) -> None:
+    imported = importlib.import_module(module)
+    assert set(imported.__all__) == SUBMODULES[module]
+    for name in imported.__all__:
+        assert getattr(imported, name) is not None
+
+
+def test_the_top_level_transports_are_the_transport_packages_own() -> None:
     import rabbit_delay.aio
     import rabbit_delay.sync
 
-    assert sorted(rabbit_delay.sync.__all__) == [
-        "Publisher",
-        "Worker",
-        "broker_info",
-        "connect",
-        "connected",
-        "declare",
-        "delete_topology",
-        "plan",
-    ]
-    assert sorted(rabbit_delay.aio.__all__) == [
-        "AsyncPublisher",
-        "AsyncWorker",
-        "broker_info",
-        "connect",
-        "declare",
-        "plan",
-    ]
     assert rabbit_delay.Publisher is rabbit_delay.sync.Publisher
+    assert rabbit_delay.Worker is rabbit_delay.sync.Worker
     assert rabbit_delay.AsyncPublisher is rabbit_delay.aio.AsyncPublisher
+    assert rabbit_delay.AsyncWorker is rabbit_delay.aio.AsyncWorker
+
+
+def test_every_other_module_is_private() -> None:
+    """Outside the documented modules, every module and package name is underscored."""
+    import pkgutil
+
+    public = {"rabbit_delay", *SUBMODULES, "rabbit_delay.testing", "rabbit_delay.outbox"}
+    public.add("rabbit_delay.testing.pytest_plugin")  # a pytest entry point, by its path
+    for info in pkgutil.walk_packages(rabbit_delay.__path__, "rabbit_delay."):
+        name = info.name
+        if name in public or name == "rabbit_delay.__main__":
+            continue
+        parts = name.split(".")[1:]
+        assert any(part.startswith("_") for part in parts), f"{name} is public but undocumented"
 
 
 @pytest.mark.parametrize(
@@ -107,8 +175,8 @@ def test_transports_all() -> None:
         ("import rabbit_delay.aio", ("pika",)),
         # tracing is optional: only an application that imported it makes spans
         (
-            "import rabbit_delay.sync.worker, rabbit_delay.aio.worker, rabbit_delay.cli\n"
-            "from rabbit_delay import tracing\n"
+            "import rabbit_delay.sync._worker, rabbit_delay.aio._worker, rabbit_delay._cli.app\n"
+            "from rabbit_delay._observe import tracing\n"
             "assert tracing.active() is None",
             ("opentelemetry",),
         ),

@@ -28,25 +28,20 @@ from idempotency_contract import (
     new_key,
 )
 
-from rabbit_delay.errors import ConfigError
-from rabbit_delay.idempotency import (
-    DEFAULT_PREFIX,
-    AsyncGuard,
+from rabbit_delay import ConfigError
+from rabbit_delay._idempotency.guard import DEFAULT_PREFIX, AsyncGuard, Guard, SyncStoreAsAsync
+from rabbit_delay._stores.factory import as_async, async_store_from_config, store_from_config
+from rabbit_delay._topology.model import IdempotencyConfig
+from rabbit_delay.stores import (
     AsyncIdempotencyStore,
     AsyncRedisStore,
     AsyncSQLiteStore,
     ClaimResult,
-    Guard,
     IdempotencyStore,
     MemoryStore,
     RedisStore,
     SQLiteStore,
-    SyncStoreAsAsync,
-    as_async,
-    async_store_from_config,
-    store_from_config,
 )
-from rabbit_delay.topology import IdempotencyConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -169,7 +164,7 @@ def test_two_sqlite_stores_on_one_file_never_both_claim(tmp_path: Path) -> None:
 _CLAIMER = textwrap.dedent(
     """
     import os, sys
-    from rabbit_delay.idempotency import SQLiteStore, ClaimResult
+    from rabbit_delay.stores import ClaimResult, SQLiteStore
     path, count = sys.argv[1], int(sys.argv[2])
     store = SQLiteStore(path, busy_timeout_s=30)
     sys.stdin.readline()  # start together
@@ -672,7 +667,7 @@ def test_redis_store_without_redis_py_is_a_config_error(monkeypatch: pytest.Monk
 
 
 def test_importing_the_module_does_not_import_redis() -> None:
-    code = "import sys, rabbit_delay.idempotency; print('redis' in sys.modules)"
+    code = "import sys, rabbit_delay.stores; print('redis' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )

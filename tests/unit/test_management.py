@@ -10,9 +10,9 @@ from email.message import Message
 
 import pytest
 
-from rabbit_delay.errors import AccessRefused, ManagementUnavailable
-from rabbit_delay.management import ManagementRefused, Refusal, _reason, _refused
-from rabbit_delay.urls import ManagementEndpoint
+from rabbit_delay import AccessRefused, ManagementUnavailable
+from rabbit_delay._io.management import ManagementRefused, Refusal, _reason, _refused
+from rabbit_delay._urls import ManagementEndpoint
 
 ENDPOINT = ManagementEndpoint("http://127.0.0.1:15672", "worker", "s3cret", "/")
 

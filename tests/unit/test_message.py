@@ -9,8 +9,8 @@ from decimal import Decimal
 import pytest
 from pydantic import BaseModel
 
-from rabbit_delay.errors import DecodeError, EncodeError, PublishError
-from rabbit_delay.message import (
+from rabbit_delay import DecodeError, EncodeError, PublishError, topology_from_dict
+from rabbit_delay._envelope import (
     BINARY,
     JSON,
     MAX_MESSAGE_ID,
@@ -20,8 +20,7 @@ from rabbit_delay.message import (
     new_message_id,
     strip_broker_headers,
 )
-from rabbit_delay.publishing import PublisherCore
-from rabbit_delay.topology import topology_from_dict
+from rabbit_delay._publishing.core import PublisherCore
 
 
 class CancelOrder(BaseModel):

@@ -9,25 +9,23 @@ import urllib.request
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from rabbit_delay import names as h
-from rabbit_delay.errors import (
+from rabbit_delay import (
     BrokerUnavailable,
     DelayError,
     MissingObjectError,
     NackError,
     UnroutableError,
 )
-from rabbit_delay.metrics import (
+from rabbit_delay import _names as h
+from rabbit_delay._observe.metrics import (
     NO_TIER,
     OTHER_TIER,
-    Metrics,
     Outcome,
     PublishErrorReason,
-    default_metrics,
     error_reason,
-    start_metrics_server,
     tier_label,
 )
+from rabbit_delay.metrics import Metrics, default_metrics, start_metrics_server
 
 
 @pytest.fixture
@@ -146,7 +144,7 @@ def test_reconciled(metrics: Metrics) -> None:
 
 
 def test_worker_metrics_time_each_delivery_by_queue_and_tier(metrics: Metrics) -> None:
-    from rabbit_delay.consumer import WorkerMetrics
+    from rabbit_delay._consumer.stats import WorkerMetrics
 
     worker = WorkerMetrics(metrics, ["push"], tiers=["1s", "3s"])
     late = "rabbit_delay_delivery_lateness_seconds"
@@ -191,7 +189,7 @@ def test_instances_are_independent() -> None:
 
 def test_import_registers_nothing() -> None:
     code = (
-        "import rabbit_delay.metrics\n"
+        "import rabbit_delay._observe.metrics\n"
         "from prometheus_client import REGISTRY\n"
         "print(any(m.name.startswith('rabbit_delay') for m in REGISTRY.collect()))\n"
     )

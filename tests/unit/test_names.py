@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from rabbit_delay import names as h
-from rabbit_delay.names import Names
+from rabbit_delay import _names as h
+from rabbit_delay._names import Names
 
 N = Names("shop", 1)
 

@@ -1,9 +1,10 @@
-"""The pure decision of `rabbit-delay delete` (rabbit_delay.ops.delete): which objects,
+"""The pure decision of `rabbit-delay delete` (rabbit_delay._ops.delete.rules): which objects,
 in which order, what blocks it, and that nothing of another namespace or version is in."""
 
 from __future__ import annotations
 
-from rabbit_delay.ops.delete import (
+from rabbit_delay import Topology, topology_from_dict
+from rabbit_delay._ops.delete.rules import (
     Blocker,
     DeleteReport,
     Found,
@@ -14,8 +15,7 @@ from rabbit_delay.ops.delete import (
     still_idle,
     targets,
 )
-from rabbit_delay.plan import Desired, Kind, desired, retired_shards
-from rabbit_delay.topology import Topology, topology_from_dict
+from rabbit_delay._plan.plan import Desired, Kind, desired, retired_shards
 
 
 def topology(version: int = 1, **extra: object) -> Topology:

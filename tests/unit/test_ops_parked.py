@@ -1,4 +1,4 @@
-"""The pure side of `rabbit-delay parked` (rabbit_delay.ops.parked): listing from
+"""The pure side of `rabbit-delay parked` (rabbit_delay._ops.parked.rules): listing from
 peeked messages (through `replay.Stored.summary`), pages, bodies, headers as JSON."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from decimal import Decimal
 
 import pytest
 
-from rabbit_delay import names as h
-from rabbit_delay.errors import ConfigError
-from rabbit_delay.ops.parked import (
+from rabbit_delay import ConfigError
+from rabbit_delay import _names as h
+from rabbit_delay._ops.parked.rules import (
     ParkedItem,
     check_page,
     detail,
@@ -21,7 +21,7 @@ from rabbit_delay.ops.parked import (
     page,
     render_body,
 )
-from rabbit_delay.replay import Stored
+from rabbit_delay._ops.replay.rules import Stored
 
 T0 = 1_800_000_000_000
 

@@ -1,4 +1,4 @@
-"""The pure rules of `status` (rabbit_delay.ops.status): what needs attention, the age of
+"""The pure rules of `status` (rabbit_delay._ops.status.rules): what needs attention, the age of
 a buffer's oldest message and when a buffer is stuck, the plugin store, the report."""
 
 from __future__ import annotations
@@ -11,10 +11,12 @@ from io import StringIO
 import pytest
 from rich.console import Console
 
-from rabbit_delay.broker import BrokerInfo
-from rabbit_delay.cli.ops import render_status, shows_progress
-from rabbit_delay.management import QueueStats, delayed_messages, queue_stats
-from rabbit_delay.ops.status import (
+from rabbit_delay import Topology, topology_from_dict
+from rabbit_delay._broker import BrokerInfo
+from rabbit_delay._cli.ops import render_status, shows_progress
+from rabbit_delay._io.management import QueueStats, delayed_messages, queue_stats
+from rabbit_delay._ops.replay.rules import Stored
+from rabbit_delay._ops.status.rules import (
     AGE_FROM_API,
     AGE_FROM_PEEK,
     DECLARE_HINT,
@@ -27,9 +29,7 @@ from rabbit_delay.ops.status import (
     status_rows,
     stuck_after_ms,
 )
-from rabbit_delay.plan import desired
-from rabbit_delay.replay import Stored
-from rabbit_delay.topology import Topology, topology_from_dict
+from rabbit_delay._plan.plan import desired
 
 NOW = 1_800_000_000_000
 
@@ -295,8 +295,8 @@ def test_ctrl_c_during_a_read_lets_the_read_finish_then_stops_the_watch() -> Non
     import signal
     import time
 
-    from rabbit_delay.cli.ops import _watch
-    from rabbit_delay.errors import BrokerUnavailable
+    from rabbit_delay import BrokerUnavailable
+    from rabbit_delay._cli.ops import _watch
 
     reads: list[str] = []
 
@@ -321,7 +321,7 @@ def test_a_second_ctrl_c_interrupts_a_read_at_once() -> None:
     import signal
     import time
 
-    from rabbit_delay.cli.ops import _watch
+    from rabbit_delay._cli.ops import _watch
 
     reads: list[str] = []
 

@@ -14,17 +14,19 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from rabbit_delay import names as h
-from rabbit_delay._confirms import Ledger, State
-from rabbit_delay.delays import IMMEDIATE, Router
-from rabbit_delay.errors import (
+from rabbit_delay import (
     ConfigError,
     DelayError,
     DuplicateMessageError,
     EncodeError,
     OutboxError,
+    Topology,
     UnknownTargetError,
+    topology_from_dict,
 )
+from rabbit_delay import _names as h
+from rabbit_delay._publishing.confirms import Ledger, State
+from rabbit_delay._topology.delays import IMMEDIATE, Router
 from rabbit_delay.outbox import Outbox, parse_database
 from rabbit_delay.outbox._core import (
     INVALID,
@@ -36,7 +38,6 @@ from rabbit_delay.outbox._core import (
     settle,
 )
 from rabbit_delay.outbox._sql import SQLiteRelayStore, schema
-from rabbit_delay.topology import Topology, topology_from_dict
 
 NOW = 1_800_000_000_000
 
@@ -509,7 +510,7 @@ def test_bad_database_urls(url: str, match: str) -> None:
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> Any:
-    from rabbit_delay.cli._app import app, load_commands
+    from rabbit_delay._cli.app import app, load_commands
 
     load_commands()
     return CliRunner().invoke(app, list(args), env=env or {})
@@ -554,7 +555,8 @@ def test_importing_the_outbox_imports_neither_pika_nor_psycopg() -> None:
 
 
 def test_relay_metrics() -> None:
-    from rabbit_delay.metrics import Metrics, PublishErrorReason
+    from rabbit_delay._observe.metrics import PublishErrorReason
+    from rabbit_delay.metrics import Metrics
 
     metrics = Metrics()
     metrics.relayed("shop.v1.q.push", "1s", [0.02, 0.3, -1.0])

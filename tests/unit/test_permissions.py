@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from rabbit_delay.errors import AccessRefused, broker_refusal
-from rabbit_delay.permissions import (
+from rabbit_delay import AccessRefused, Topology, load_topology, topology_from_dict
+from rabbit_delay._errors import broker_refusal
+from rabbit_delay._plan.permissions import (
     Permissions,
     Role,
     escape,
@@ -19,8 +20,7 @@ from rabbit_delay.permissions import (
     permissions,
     publish_targets,
 )
-from rabbit_delay.plan import Kind, desired
-from rabbit_delay.topology import Topology, load_topology, topology_from_dict
+from rabbit_delay._plan.plan import Kind, desired
 
 
 def _topology(namespace: str = "shop", version: int = 1, **extra: Any) -> Topology:

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from rabbit_delay.errors import ArgumentConflict, DeclarationConflict
-from rabbit_delay.plan import (
+from rabbit_delay import DeclarationConflict, Topology, topology_from_dict
+from rabbit_delay._errors import ArgumentConflict
+from rabbit_delay._plan.plan import (
     Action,
     Bind,
     BindingSpec,
@@ -30,7 +31,6 @@ from rabbit_delay.plan import (
     plan_from_presence,
     plan_program,
 )
-from rabbit_delay.topology import Topology, topology_from_dict
 
 # Every quorum queue is declared with a leader locator (`[scaling]`, default balanced).
 PLACEMENT = {"x-queue-leader-locator": "balanced"}
@@ -797,7 +797,7 @@ def test_redeclare_still_finds_a_real_conflict_behind_a_placement_difference(
 
 
 def test_a_refused_probe_of_a_retired_shard_answers_absent_and_other_refusals_are_errors() -> None:
-    from rabbit_delay.plan import NOT_ANSWERED, Declare, Exists, QueueSpec, refusal_answer
+    from rabbit_delay._plan.plan import NOT_ANSWERED, Declare, Exists, QueueSpec, refusal_answer
 
     spec = QueueSpec("ns.v1.delay.1s.1")
     assert refusal_answer(Exists(spec, optional=True), 403, "ACCESS_REFUSED") is False

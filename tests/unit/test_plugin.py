@@ -8,17 +8,18 @@ from typing import Any
 
 import pytest
 
-from rabbit_delay import names as h
-from rabbit_delay.broker import BrokerInfo
-from rabbit_delay.delays import PLUGIN, Router
-from rabbit_delay.durations import MAX_TTL_MS
-from rabbit_delay.errors import (
+from rabbit_delay import (
     DeclarationConflict,
     DelayError,
     IncompatibleBroker,
     MissingPluginError,
+    Topology,
+    topology_from_dict,
 )
-from rabbit_delay.plan import (
+from rabbit_delay import _names as h
+from rabbit_delay._broker import BrokerInfo
+from rabbit_delay._durations import MAX_TTL_MS
+from rabbit_delay._plan.plan import (
     UNKNOWN_EXCHANGE_TYPE,
     Action,
     Bind,
@@ -35,8 +36,8 @@ from rabbit_delay.plan import (
     desired,
     plan_program,
 )
-from rabbit_delay.publishing import PublisherCore
-from rabbit_delay.topology import Topology, topology_from_dict
+from rabbit_delay._publishing.core import PublisherCore
+from rabbit_delay._topology.delays import PLUGIN, Router
 
 PLUGIN_TYPE = "x-delayed-message"
 

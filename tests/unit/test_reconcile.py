@@ -8,9 +8,19 @@ from typing import Any
 
 import pytest
 
-from rabbit_delay import names as h
-from rabbit_delay.consumer import App, ReconcileContext, Resubmit, Transport
-from rabbit_delay.consumer._reconcile import (
+from rabbit_delay import (
+    App,
+    ConfigError,
+    ConnectionLost,
+    NackError,
+    ReconcileContext,
+    Resubmit,
+    topology_from_dict,
+)
+from rabbit_delay import _names as h
+from rabbit_delay._consumer.app import Transport
+from rabbit_delay._envelope import Outgoing
+from rabbit_delay._reconcile import (
     MAX_CHECK_MS,
     MIN_CHECK_MS,
     Call,
@@ -27,11 +37,8 @@ from rabbit_delay.consumer._reconcile import (
     reconcile_key,
     reconcile_program,
 )
-from rabbit_delay.delays import IMMEDIATE
-from rabbit_delay.errors import ConfigError, ConnectionLost, NackError
-from rabbit_delay.idempotency import ClaimResult, MemoryStore
-from rabbit_delay.message import Outgoing
-from rabbit_delay.topology import topology_from_dict
+from rabbit_delay._topology.delays import IMMEDIATE
+from rabbit_delay.stores import ClaimResult, MemoryStore
 
 NOW = 1_800_000_000_000
 LEASE = 30_000

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from rabbit_delay import names as h
-from rabbit_delay.errors import DelayError, UnknownTargetError
-from rabbit_delay.message import BINARY, JSON, strip_broker_headers
-from rabbit_delay.replay import (
+from rabbit_delay import DelayError, Topology, UnknownTargetError, topology_from_dict
+from rabbit_delay import _names as h
+from rabbit_delay._envelope import BINARY, JSON, strip_broker_headers
+from rabbit_delay._ops.replay.rules import (
     IMMEDIATE,
     Leave,
     ParkedReplay,
@@ -21,7 +21,6 @@ from rabbit_delay.replay import (
     replay_headers,
     resolve_queue,
 )
-from rabbit_delay.topology import Topology, topology_from_dict
 
 NOW = 1_800_000_000_000
 

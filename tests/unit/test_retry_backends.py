@@ -11,14 +11,15 @@ from typing import Any
 
 import pytest
 
-from rabbit_delay.broker import UNKNOWN, BrokerInfo, is_consumer_timeout
-from rabbit_delay.consumer import App, BrokerRetry, Transport
-from rabbit_delay.consumer._stats import WorkerStats
-from rabbit_delay.consumer._worker_base import WorkerBase
-from rabbit_delay.errors import IncompatibleBroker, TopologyError
-from rabbit_delay.idempotency import MemoryStore
-from rabbit_delay.plan import broker_requirements, declare_program, desired, plan_program
-from rabbit_delay.topology import RetryBackend, Topology, topology_from_dict
+from rabbit_delay import App, IncompatibleBroker, Topology, TopologyError, topology_from_dict
+from rabbit_delay._broker import UNKNOWN, BrokerInfo, is_consumer_timeout
+from rabbit_delay._consumer.app import Transport
+from rabbit_delay._consumer.decide import BrokerRetry
+from rabbit_delay._consumer.stats import WorkerStats
+from rabbit_delay._consumer.worker_base import WorkerBase
+from rabbit_delay._plan.plan import broker_requirements, declare_program, desired, plan_program
+from rabbit_delay._topology.model import RetryBackend
+from rabbit_delay.stores import MemoryStore
 
 BROKER_3_10 = BrokerInfo(version_text="3.10.8")
 BROKER_4_0 = BrokerInfo(version_text="4.0.5")

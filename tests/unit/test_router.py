@@ -10,12 +10,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from rabbit_delay import delays
-from rabbit_delay import names as h
-from rabbit_delay.delays import Route, Router
-from rabbit_delay.errors import DelayError, PublishError, UnknownTargetError
-from rabbit_delay.publishing import PublisherCore
-from rabbit_delay.topology import Topology, topology_from_dict
+from rabbit_delay import DelayError, PublishError, Topology, UnknownTargetError, topology_from_dict
+from rabbit_delay import _names as h
+from rabbit_delay._publishing.core import PublisherCore
+from rabbit_delay._topology import delays
+from rabbit_delay._topology.delays import Route, Router
 
 
 @pytest.fixture
@@ -288,8 +287,8 @@ def test_the_same_id_takes_the_same_shard_every_time(sharded: Topology) -> None:
 def test_worker_retries_and_replays_through_a_sharded_tier_shard_by_id(sharded: Topology) -> None:
     """Retries (consumer/_decide.py) and replays (replay.py) build their copies with
     PublisherCore.outgoing from a Router route: the id picks the shard there too."""
-    from rabbit_delay.consumer._decide import QueuePolicy
-    from rabbit_delay.replay import ParkedReplay, Stored
+    from rabbit_delay._consumer.decide import QueuePolicy
+    from rabbit_delay._ops.replay.rules import ParkedReplay, Stored
 
     policy = QueuePolicy(sharded, "push")
     retry = policy.retry_routes[0]
@@ -422,8 +421,8 @@ def test_a_fixed_due_time_keeps_the_first_publish_asked_due_time(topology: Topol
 
 def test_a_retry_is_asked_anew_from_its_failure() -> None:
     """A retry copy carries the original's headers: its asked due time is written again."""
-    from rabbit_delay.consumer import QueuePolicy, Republish, decide
-    from rabbit_delay.message import Envelope
+    from rabbit_delay._consumer.decide import QueuePolicy, Republish, decide
+    from rabbit_delay._envelope import Envelope
 
     topology = topology_from_dict(
         {

@@ -8,17 +8,17 @@ from io import StringIO
 
 from rich.console import Console
 
-from rabbit_delay.cli.ops import _status_table
-from rabbit_delay.management import QueueStats, queue_stats
-from rabbit_delay.ops.status import (
+from rabbit_delay import Topology, topology_from_dict
+from rabbit_delay._cli.ops import _status_table
+from rabbit_delay._io.management import QueueStats, queue_stats
+from rabbit_delay._ops.status.rules import (
     QueueRow,
     Role,
     placement_cells,
     shows_placement,
     status_rows,
 )
-from rabbit_delay.plan import desired
-from rabbit_delay.topology import Topology, topology_from_dict
+from rabbit_delay._plan.plan import desired
 
 A, B, C = "rabbit@a", "rabbit@b", "rabbit@c"
 

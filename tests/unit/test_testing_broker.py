@@ -13,15 +13,17 @@ from typing import Any
 
 import pytest
 
-from rabbit_delay import names as h
-from rabbit_delay.errors import (
+from rabbit_delay import (
     DeclarationConflict,
     IncompatibleBroker,
     MissingObjectError,
+    Topology,
     UnroutableError,
+    topology_from_dict,
 )
-from rabbit_delay.message import Outgoing
-from rabbit_delay.plan import Action, BindingSpec, ExchangeSpec, Kind, QueueSpec, desired
+from rabbit_delay import _names as h
+from rabbit_delay._envelope import Outgoing
+from rabbit_delay._plan.plan import Action, BindingSpec, ExchangeSpec, Kind, QueueSpec, desired
 from rabbit_delay.testing import (
     Delivered,
     KitError,
@@ -29,7 +31,6 @@ from rabbit_delay.testing import (
     MemoryPublisher,
     topic_matches,
 )
-from rabbit_delay.topology import Topology, topology_from_dict
 
 START = datetime(2030, 1, 1, tzinfo=UTC)
 START_MS = int(START.timestamp() * 1000)
@@ -62,7 +63,7 @@ def message(exchange: str, key: str, body: bytes = b"{}", **headers: Any) -> Out
 
 def declare(broker: MemoryBroker, *specs: ExchangeSpec | QueueSpec | BindingSpec) -> None:
     """Objects outside any topology, through the same executor the declare program uses."""
-    from rabbit_delay.plan import Bind, Declare
+    from rabbit_delay._plan.plan import Bind, Declare
 
     for spec in specs:
         op = Bind(spec) if isinstance(spec, BindingSpec) else Declare(spec)

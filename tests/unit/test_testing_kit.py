@@ -16,12 +16,19 @@ import pytest
 from pydantic import BaseModel
 
 import rabbit_delay.testing
-from rabbit_delay import names as h
-from rabbit_delay.consumer import App, HandlerContext, Reject
-from rabbit_delay.errors import ConfigError, DurationError, IncompatibleBroker
-from rabbit_delay.idempotency import MemoryStore, SQLiteStore
+from rabbit_delay import (
+    App,
+    ConfigError,
+    DurationError,
+    HandlerContext,
+    IncompatibleBroker,
+    Reject,
+    load_topology,
+    topology_from_dict,
+)
+from rabbit_delay import _names as h
+from rabbit_delay.stores import MemoryStore, SQLiteStore
 from rabbit_delay.testing import KitError, Outcome, TestBroker
-from rabbit_delay.topology import load_topology, topology_from_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 ORDERS = ROOT / "topology" / "orders.toml"
@@ -206,7 +213,7 @@ def test_by_default_each_test_gets_a_fresh_store(app: App) -> None:
 
 
 def test_an_async_store_is_refused_with_what_to_use_instead(app: App) -> None:
-    from rabbit_delay.idempotency import SyncStoreAsAsync
+    from rabbit_delay._idempotency.guard import SyncStoreAsAsync
 
     with pytest.raises(ConfigError, match="MemoryStore, SQLiteStore or RedisStore"):
         TestBroker(app, store=SyncStoreAsAsync(MemoryStore()))  # type: ignore[arg-type]
@@ -334,7 +341,7 @@ def test_the_kits_public_surface() -> None:
 def test_the_pytest_fixture(tmp_path: Path) -> None:
     (tmp_path / "conftest.py").write_text(
         "import pytest\n"
-        "from rabbit_delay.consumer import App\n"
+        "from rabbit_delay import App\n"
         "pytest_plugins = ['rabbit_delay.testing.pytest_plugin']\n"
         "seen = []\n"
         f"app = App({str(ORDERS)!r})\n"

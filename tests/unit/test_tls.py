@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rabbit_delay.errors import ConfigError
-from rabbit_delay.tls import REFUSED_KEYS, TLSOptions, describe_tls_error, split_tls
-from rabbit_delay.urls import management_endpoints
+from rabbit_delay import ConfigError, TLSOptions
+from rabbit_delay._tls import REFUSED_KEYS, describe_tls_error, split_tls
+from rabbit_delay._urls import management_endpoints
 
 
 def test_our_query_keys_leave_the_url_and_the_others_stay() -> None:

@@ -7,14 +7,8 @@ from typing import Any
 
 import pytest
 
-from rabbit_delay.errors import ConfigError, TopologyError
-from rabbit_delay.topology import (
-    IdempotencyConfig,
-    QueueType,
-    Topology,
-    load_topology,
-    topology_from_dict,
-)
+from rabbit_delay import ConfigError, Topology, TopologyError, load_topology, topology_from_dict
+from rabbit_delay._topology.model import IdempotencyConfig, QueueType
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,25 +14,16 @@ from typing import Any
 import pytest
 from conftest import Spans
 
-from rabbit_delay import names as h
-from rabbit_delay import tracing
-from rabbit_delay.broker import UNKNOWN
-from rabbit_delay.consumer import App, HandlerContext, Reject, Retry, Transport
-from rabbit_delay.consumer._delivery import (
-    Claim,
-    Delivery,
-    Finish,
-    Publish,
-    Run,
-    Settled,
-    WriteAck,
-)
-from rabbit_delay.consumer._worker_base import WorkerBase, call_handler
-from rabbit_delay.errors import NackError
-from rabbit_delay.idempotency import ClaimResult, MemoryStore
-from rabbit_delay.publishing import PublisherCore
-from rabbit_delay.replay import replay_headers
-from rabbit_delay.topology import Topology, topology_from_dict
+from rabbit_delay import App, HandlerContext, NackError, Reject, Retry, Topology, topology_from_dict
+from rabbit_delay import _names as h
+from rabbit_delay._broker import UNKNOWN
+from rabbit_delay._consumer.app import Transport
+from rabbit_delay._consumer.delivery import Claim, Delivery, Finish, Publish, Run, Settled, WriteAck
+from rabbit_delay._consumer.worker_base import WorkerBase, call_handler
+from rabbit_delay._observe import tracing
+from rabbit_delay._ops.replay.rules import replay_headers
+from rabbit_delay._publishing.core import PublisherCore
+from rabbit_delay.stores import ClaimResult, MemoryStore
 
 NOW = 1_800_000_000_000
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -82,7 +73,7 @@ def test_a_callers_traceparent_passes_through_publish_retry_and_replay() -> None
 
 
 def test_the_handler_context_reads_the_traceparent() -> None:
-    from rabbit_delay.message import Envelope
+    from rabbit_delay._envelope import Envelope
 
     env = Envelope.from_headers("m", {h.H_TRACEPARENT: TRACEPARENT.encode()})
     ctx = HandlerContext("orders", env, False, NOW, 3)
@@ -98,9 +89,9 @@ def test_without_opentelemetry_imported_nothing_traces() -> None:
 
     code = (
         "import sys\n"
-        "from rabbit_delay import tracing\n"
-        "from rabbit_delay.publishing import PublisherCore\n"
-        "from rabbit_delay.topology import topology_from_dict\n"
+        "from rabbit_delay._observe import tracing\n"
+        "from rabbit_delay._publishing.core import PublisherCore\n"
+        "from rabbit_delay._topology.model import topology_from_dict\n"
         "t = topology_from_dict({'namespace': 's', 'tiers': {'1s': '1s'}, 'queues': {'q': {}}})\n"
         "core = PublisherCore(t, borrowed=True)\n"
         "ledger = core.ledger([core.prepare(b'x', '1s', queue='q')])\n"

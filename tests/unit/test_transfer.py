@@ -8,12 +8,13 @@ from typing import Any
 
 import pytest
 
-from rabbit_delay import names as h
-from rabbit_delay.broker import BrokerInfo
-from rabbit_delay.delays import CASCADE, IMMEDIATE, shard_index
-from rabbit_delay.errors import ConfigError
-from rabbit_delay.message import BINARY, JSON
-from rabbit_delay.ops.transfer import (
+from rabbit_delay import ConfigError, Topology, topology_from_dict
+from rabbit_delay import _names as h
+from rabbit_delay._broker import BrokerInfo
+from rabbit_delay._durations import iso_ms
+from rabbit_delay._envelope import BINARY, JSON
+from rabbit_delay._ops.replay.rules import Stored
+from rabbit_delay._ops.transfer.rules import (
     Leave,
     Move,
     QueueTally,
@@ -30,8 +31,7 @@ from rabbit_delay.ops.transfer import (
     target_queues,
     transfer_notes,
 )
-from rabbit_delay.replay import Stored, iso_ms
-from rabbit_delay.topology import Topology, topology_from_dict
+from rabbit_delay._topology.delays import CASCADE, IMMEDIATE, shard_index
 
 NOW = 1_800_000_000_000
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rabbit_delay.urls import (
+from rabbit_delay._urls import (
     DEFAULT_URL,
     MANAGEMENT_URL_ENV,
     URL_ENV,

@@ -19,10 +19,8 @@ from typing import Any
 import pytest
 from worker_behaviour import Calls, Step, Taken, WorkerBehaviour, handler
 
-from rabbit_delay.consumer import App, HandlerContext
-from rabbit_delay.errors import MissingObjectError
+from rabbit_delay import App, HandlerContext, MissingObjectError, Topology, topology_from_dict
 from rabbit_delay.testing import MemoryBroker, MemoryPublisher, MemoryWorker
-from rabbit_delay.topology import Topology, topology_from_dict
 
 VERSIONS = ("4.3.6", "3.10.8")
 

@@ -15,15 +15,13 @@ from typing import Any
 
 import pytest
 
-from rabbit_delay.consumer import App
-from rabbit_delay.consumer._decide import Ack
-from rabbit_delay.consumer._health import LIVENESS_STALE_S, Health, Phase
-from rabbit_delay.consumer._stats import log_action
-from rabbit_delay.endpoints import serve
-from rabbit_delay.logs import JsonFormatter, TextFormatter, delivery_fields
+from rabbit_delay import App, Worker, topology_from_dict
+from rabbit_delay._consumer.decide import Ack
+from rabbit_delay._consumer.health import LIVENESS_STALE_S, Health, Phase
+from rabbit_delay._consumer.stats import log_action
+from rabbit_delay._io.endpoints import serve
+from rabbit_delay._observe.logs import JsonFormatter, TextFormatter, delivery_fields
 from rabbit_delay.metrics import Metrics
-from rabbit_delay.sync.worker import Worker
-from rabbit_delay.topology import topology_from_dict
 
 SECRET = "s3cret-pw"
 

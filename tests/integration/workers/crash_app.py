@@ -19,7 +19,7 @@ import time
 
 from pydantic import BaseModel
 
-from rabbit_delay.consumer import App, HandlerContext
+from rabbit_delay import App, HandlerContext
 
 QUEUE = "orders.cancel"
 

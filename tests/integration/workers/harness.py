@@ -33,8 +33,8 @@ import pika
 import pika.exceptions
 from conftest import wait_for
 
-from rabbit_delay.consumer import App
-from rabbit_delay.urls import ManagementEndpoint
+from rabbit_delay import App
+from rabbit_delay._urls import ManagementEndpoint
 
 KINDS = ("sync", "async")  # the workers (transports)
 HANDLER_KINDS = ("sync", "async", "async-def")  # a worker and the handlers it runs
@@ -64,7 +64,7 @@ class RunningWorker:
         self.name = f"rd-test-worker-{uuid.uuid4().hex[:10]}"
         options.setdefault("install_signal_handlers", False)
         if transport(kind) == "sync":
-            from rabbit_delay.sync.worker import Worker
+            from rabbit_delay import Worker
 
             self.worker: Any = Worker(app, url, name=self.name, **options)
 
@@ -76,7 +76,7 @@ class RunningWorker:
                         app.close()
 
         else:
-            from rabbit_delay.aio.worker import AsyncWorker
+            from rabbit_delay import AsyncWorker
 
             self.worker = AsyncWorker(app, url, name=self.name, **options)
 
@@ -224,7 +224,7 @@ def start_cli_worker(
     command = [
         sys.executable,
         "-c",
-        "from rabbit_delay.cli import main; main()",
+        "from rabbit_delay._cli.app import main; main()",
         "worker",
         f"{module}:app",
         "--app-dir",

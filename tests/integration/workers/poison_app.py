@@ -30,9 +30,9 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from rabbit_delay.consumer import App, HandlerContext
-from rabbit_delay.consumer._context import clock_ms
-from rabbit_delay.idempotency import SQLiteStore
+from rabbit_delay import App, HandlerContext
+from rabbit_delay._consumer.context import clock_ms
+from rabbit_delay.stores import SQLiteStore
 
 QUEUE = "orders.cancel"
 EFFECTS = "CREATE TABLE IF NOT EXISTS effects (message_id TEXT NOT NULL, pid INTEGER NOT NULL)"

@@ -1,0 +1,123 @@
+"""`rabbit-delay delete FILE`: remove a drained topology version from the broker."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from rabbit_delay._cli.app import (
+    EXIT_ERROR,
+    EXIT_OK,
+    JsonOpt,
+    TopologyArg,
+    TopologyOpt,
+    UrlOpt,
+    app,
+    errors_to_exit,
+    fail,
+    out,
+    print_json,
+    resolve_topology,
+    url_for,
+)
+from rabbit_delay._cli.commands import MgmtOpt, NoMgmtOpt, management_access
+from rabbit_delay._ops.delete.rules import DeleteReport, Target
+
+
+def _targets_table(title: str, rows: list[tuple[Target, str]]) -> Table:
+    table = Table(title=escape(title), title_justify="left")
+    table.add_column("kind")
+    table.add_column("name", overflow="fold")
+    table.add_column("status")
+    for target, status in rows:
+        extra = " (retired shard)" if target.extra else ""
+        table.add_row(target.kind.value, escape(target.name), escape(status + extra))
+    return table
+
+
+def _print(report: DeleteReport) -> None:
+    p = report.plan
+    if p.refused:
+        out.print(
+            escape(f"refused: {len(p.blocked)} queue(s) of {p.namespace} are not drained:"),
+            style="bold red",
+        )
+        for b in p.blocked:
+            out.print(escape(f"  {b.name}: {b.reason}"))
+        out.print(
+            "Nothing was deleted. Drain them (stop the publishers, wait for the buffers, "
+            "handle or replay the parked messages), or pass --force to delete them with "
+            "their messages."
+        )
+        return
+    if report.dry_run:
+        rows = [(t, "would delete") for t in p.delete] + [(t, "missing") for t in p.missing]
+        out.print(_targets_table(f"dry run: delete {p.namespace}", rows))
+        lost = sum(b.state.held for b in p.blocked)
+        forced = f", with {lost} message(s) (--force)" if p.blocked else ""
+        out.print(escape(f"would delete {len(p.delete)} object(s){forced}; nothing was changed"))
+        return
+    rows = [(t, "deleted") for t in report.deleted] + [(t, "missing") for t in p.missing]
+    if rows:
+        out.print(_targets_table(f"delete {p.namespace}", rows))
+    if not p.delete and not report.deleted:
+        out.print(escape(f"nothing to delete: no object of {p.namespace} is on the broker"))
+    else:
+        out.print(escape(f"deleted {len(report.deleted)} object(s) of {p.namespace}"))
+
+
+@app.command()
+def delete(
+    file: TopologyArg = None,
+    topology_file: TopologyOpt = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="Delete queues that still hold messages or have consumers, too."
+        ),
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="List what would be deleted; change nothing.")
+    ] = False,
+    url: UrlOpt = None,
+    management_url: MgmtOpt = None,
+    no_management: NoMgmtOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Delete a drained topology version: every queue and exchange the topology file
+    declares (and shards past a lowered count), nothing of another namespace or version.
+
+    Refused, deleting nothing, while any of its queues holds messages or has consumers
+    (they are listed), unless --force. Exit code 0 when deleted or nothing to do (or,
+    with --dry-run, when it would go ahead); 1 when refused or on an error.
+    """
+    from rabbit_delay._ops.delete.execute import delete as sync_delete
+    from rabbit_delay.sync import broker_info
+    from rabbit_delay.sync._connection import close_quietly, connect_first
+
+    with errors_to_exit():
+        topology = resolve_topology(file, topology_file)
+        connection, broker = connect_first(url_for(url), name="rabbit-delay delete")
+        try:
+            info = broker_info(connection)
+            endpoint = management_access(info, broker, management_url, no_management).endpoint
+            report = sync_delete(
+                connection, topology, force=force, dry_run=dry_run, endpoint=endpoint
+            )
+        finally:
+            close_quietly(connection)
+    if as_json:
+        print_json(report.as_json())
+    else:
+        _print(report)
+    if report.error is not None:
+        if as_json:
+            raise typer.Exit(EXIT_ERROR)
+        fail(report.error)
+    raise typer.Exit(EXIT_ERROR if report.plan.refused else EXIT_OK)
+
+
+__all__ = ["delete"]

@@ -1,0 +1,250 @@
+"""`rabbit-delay parked list|show|purge QUEUE`: what waits in a parking lot.
+
+Listing and showing peek (nothing is moved, the order is kept): rabbit_delay._ops.parked.execute
+reads, rabbit_delay._ops.parked.rules decides what is shown. Moving messages back is
+`rabbit-delay replay QUEUE`.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from rabbit_delay._cli.app import (
+    EXIT_ERROR,
+    EXIT_OK,
+    JsonOpt,
+    TopologyOpt,
+    UrlOpt,
+    app,
+    err,
+    errors_to_exit,
+    fail,
+    out,
+    print_json,
+    resolve_topology,
+    url_for,
+)
+from rabbit_delay._ops.parked.rules import DEFAULT_LIMIT, ParkedDetail, ParkedPage
+from rabbit_delay._urls import redact
+
+parked_app = typer.Typer(
+    name="parked",
+    help="List, show and purge the messages parked for a business queue.",
+    no_args_is_help=True,
+)
+app.add_typer(parked_app)
+
+QueueArg = Annotated[
+    str,
+    typer.Argument(
+        help="Business queue (logical name, or its business-queue or parking-lot name).",
+        show_default=False,
+    ),
+]
+
+
+def _cell(value: object) -> str:
+    return "" if value is None else escape(str(value))
+
+
+def _page_table(p: ParkedPage) -> Table:
+    table = Table(title=escape(f"parked for {p.queue} ({p.parking_queue})"), title_justify="left")
+    table.add_column("#", justify="right")
+    for column in ("message_id", "reason", "error", "attempts", "first failure", "last failure"):
+        table.add_column(column, overflow="fold")
+    for item in p.items:
+        error = ": ".join(x for x in (item.error_type, item.error_message) if x is not None)
+        table.add_row(
+            str(item.position),
+            _cell(item.message_id),
+            _cell(item.reason),
+            escape(error[:200]),
+            _cell(item.attempts),
+            _cell(item.first_failure),
+            _cell(item.last_failure or item.parked_at),
+        )
+    return table
+
+
+def _summary_line(p: ParkedPage) -> str:
+    if not p.total:
+        return f"{p.parking_queue} is empty"
+    if not p.items:
+        return f"no message at position {p.offset}: {p.parking_queue} holds {p.total}"
+    first, last = p.items[0].position, p.items[-1].position
+    line = f"messages {first}-{last} of {p.total} (0 = the oldest)"
+    if p.next_offset is not None:
+        line += f"; next page: --offset {p.next_offset}"
+    return line
+
+
+@parked_app.command("list")
+def list_command(
+    queue: QueueArg,
+    file: TopologyOpt = None,
+    limit: Annotated[
+        int, typer.Option("--limit", "-n", min=1, help="Show at most N messages.")
+    ] = DEFAULT_LIMIT,
+    offset: Annotated[
+        int,
+        typer.Option("--offset", min=0, help="Start at this position (0 = the oldest message)."),
+    ] = 0,
+    url: UrlOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List parked messages, oldest first: message id, reason, error type and message,
+    attempts, first and last failure. Nothing is moved and the order is kept."""
+    from rabbit_delay._ops.parked.execute import list_parked
+    from rabbit_delay.sync._connection import close_quietly, connect_first
+
+    with errors_to_exit():
+        topology = resolve_topology(file)
+        connection, _ = connect_first(url_for(url), name="rabbit-delay parked list")
+        try:
+            found = list_parked(connection, topology, queue, offset=offset, limit=limit)
+        finally:
+            close_quietly(connection)
+    if as_json:
+        print_json(found.as_json())
+    else:
+        if found.items:
+            out.print(_page_table(found))
+        out.print(escape(_summary_line(found)))
+    raise typer.Exit(EXIT_OK)
+
+
+def _print_detail(d: ParkedDetail, total: int) -> None:
+    item = d.item
+    out.print(
+        escape(f"message {item.message_id} (position {item.position} of {total})"), style="bold"
+    )
+    error = ": ".join(x for x in (item.error_type, item.error_message) if x is not None)
+    for label, value in (
+        ("reason", item.reason),
+        ("error", error or None),
+        ("attempts", item.attempts),
+        ("first failure", item.first_failure),
+        ("last failure", item.last_failure),
+        ("parked at", item.parked_at),
+        ("original queue", item.original_queue),
+        ("target", item.target),
+        ("content type", d.content_type),
+        ("published at", d.timestamp),
+        ("last exchange", f"{d.exchange} [{d.routing_key}]"),
+    ):
+        if value is not None:
+            out.print(f"  {label}: ", end="")
+            out.print(redact(str(value)), markup=False, highlight=False)
+    out.print("headers:", style="bold")
+    for name, value in d.headers.items():
+        out.print(f"  {name}: ", end="", markup=False)
+        out.print(redact(repr(value) if not isinstance(value, str) else value), markup=False)
+    if d.traceback is not None:
+        out.print("traceback:", style="bold")
+        out.print(d.traceback, markup=False)
+    out.print(f"body ({d.body.size} bytes, shown as {d.body.encoding}):", style="bold")
+    out.print(d.body.text, markup=False)
+
+
+@parked_app.command("show")
+def show_command(
+    queue: QueueArg,
+    message_id: Annotated[str, typer.Argument(help="The message_id of the parked message.")],
+    file: TopologyOpt = None,
+    url: UrlOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Show one parked message in full: every header, the traceback and the body
+    (pretty-printed JSON, text, or base64 for binary). Nothing is moved.
+
+    Exit code 1 when no message of the lot has this id.
+    """
+    from rabbit_delay._ops.parked.execute import parking_lot, show_parked
+    from rabbit_delay.sync._connection import close_quietly, connect_first
+
+    with errors_to_exit():
+        topology = resolve_topology(file)
+        _, lot = parking_lot(topology, queue)
+        connection, _ = connect_first(url_for(url), name="rabbit-delay parked show")
+        try:
+            total, copies = show_parked(connection, topology, queue, message_id)
+        finally:
+            close_quietly(connection)
+    if not copies:
+        fail(
+            f"no message with id {message_id!r} in {lot} ({total} message(s) there; "
+            f"`rabbit-delay parked list {queue}` lists them)",
+            kind="MessageNotFound",
+        )
+    if as_json:
+        print_json(
+            {
+                "parking_queue": lot,
+                "message_id": message_id,
+                "total": total,
+                "copies": [d.as_json() for d in copies],
+            }
+        )
+        raise typer.Exit(EXIT_OK)
+    for i, d in enumerate(copies):
+        if i:
+            out.print()
+        _print_detail(d, total)
+    if len(copies) > 1:
+        out.print(f"{len(copies)} messages with this id (at-least-once: a copy parked twice)")
+    raise typer.Exit(EXIT_OK)
+
+
+@parked_app.command("purge")
+def purge_command(
+    queue: QueueArg,
+    file: TopologyOpt = None,
+    yes: Annotated[
+        bool, typer.Option("--yes", "-y", help="Purge without asking (needed without a terminal).")
+    ] = False,
+    url: UrlOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Delete every message parked for QUEUE: they cannot be recovered. Asks first
+    unless --yes. Exit code 1 when not confirmed (nothing purged)."""
+    from rabbit_delay._ops.parked.execute import parked_count, parking_lot, purge_parked
+    from rabbit_delay.sync._connection import close_quietly, connect_first
+
+    with errors_to_exit():
+        topology = resolve_topology(file)
+        _, lot = parking_lot(topology, queue)
+        connection, _ = connect_first(url_for(url), name="rabbit-delay parked purge")
+        try:
+            counted = parked_count(connection, topology, queue)
+            purged = 0
+            if counted:
+                if not yes:
+                    if not sys.stdin.isatty():
+                        fail(
+                            f"{lot} holds {counted} message(s); not asking without a terminal "
+                            "(stdin is not one): pass --yes to purge them. Nothing was purged"
+                        )
+                    question = f"Purge {counted} message(s) from {lot}? They cannot be recovered"
+                    if not typer.confirm(question, default=False, err=True):
+                        err.print("nothing was purged")
+                        raise typer.Exit(EXIT_ERROR)
+                purged = purge_parked(connection, topology, queue)
+        finally:
+            close_quietly(connection)
+    if as_json:
+        print_json({"parking_queue": lot, "counted": counted, "purged": purged})
+    elif not counted:
+        out.print(escape(f"{lot} is empty: nothing to purge"))
+    else:
+        out.print(escape(f"purged {purged} message(s) from {lot}"))
+        if purged != counted:
+            out.print(escape(f"({counted} were there when counted: the lot changed in between)"))
+    raise typer.Exit(EXIT_OK)
+
+
+__all__ = ["list_command", "parked_app", "purge_command", "show_command"]

@@ -1,0 +1,267 @@
+"""transfer: move the pending messages of a topology to another topology or broker."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from rabbit_delay._cli.app import (
+    EXIT_ERROR,
+    EXIT_OK,
+    JsonOpt,
+    TopologyOpt,
+    UrlOpt,
+    app,
+    err,
+    errors_to_exit,
+    fail,
+    out,
+    print_json,
+    resolve_topology,
+    url_for,
+)
+from rabbit_delay._durations import format_ms, iso_ms
+from rabbit_delay._topology.model import load_topology
+from rabbit_delay._urls import redact
+
+if TYPE_CHECKING:
+    from rabbit_delay._ops.transfer.rules import QueueTally, TransferReport
+
+# The default of `rabbit_delay._ops.transfer.execute.DEFAULT_BATCH`, not imported: the CLI
+# imports pika only when a command runs.
+_BATCH = 500
+
+ToOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--to",
+        help="Target topology TOML file (default: the source topology, for a move to "
+        "another broker with --to-url).",
+        show_default=False,
+    ),
+]
+ToUrlOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--to-url",
+        help="Target broker URL(s), the same syntax as --url (default: the source broker).",
+        show_default=False,
+    ),
+]
+
+
+@contextmanager
+def _progress_bar(shown: bool, label: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A rich progress bar (messages moved / expected) on stderr, when it is a terminal."""
+    if not shown:
+        yield None
+        return
+    with Progress(
+        TextColumn(label),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TaskProgressColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(label, total=None)
+
+        def update(moved: int, expected: int) -> None:
+            bar.update(task, completed=moved, total=expected)
+
+        yield update
+
+
+def _row_shown(q: QueueTally) -> bool:
+    return bool(q.ready or q.moved or q.left or (q.skipped and q.ready is not None))
+
+
+def _table(report: TransferReport) -> Table:
+    moved = "would move" if report.dry_run else "moved"
+    title = f"{'dry run: ' if report.dry_run else ''}{report.source} -> {report.target}"
+    table = Table(title=escape(title), title_justify="left")
+    for column in ("queue", "role"):
+        table.add_column(column, overflow="fold")
+    for column in ("ready", moved, "left"):
+        table.add_column(column, justify="right")
+    for column in ("goes to", "late by (max)", "last due"):
+        table.add_column(column, overflow="fold")
+    for q in report.queues:
+        if not _row_shown(q):
+            continue
+        goes = "; ".join(f"{dest}: {n}" for dest, n in q.destinations.most_common(3))
+        if len(q.destinations) > 3:
+            goes += f"; {len(q.destinations) - 3} more"
+        left = str(q.left_count) if q.left_count else ""
+        table.add_row(
+            escape(q.source.name),
+            q.source.kind.value,
+            "?" if q.ready is None else str(q.ready),
+            str(q.moved),
+            f"[yellow]{left}[/]" if left else "",
+            escape(goes or (q.skipped or "")),
+            format_ms(q.added_max_ms) if q.moved else "",
+            iso_ms(q.last_due_ms) or "",
+        )
+    return table
+
+
+def _print_report(report: TransferReport) -> None:
+    out.print(_table(report))
+    missing = [q.source.name for q in report.queues if q.ready is None]
+    if missing:
+        out.print(escape(f"{len(missing)} source queue(s) do not exist: {', '.join(missing)}"))
+    verb = "would move" if report.dry_run else "moved"
+    line = f"{verb} {report.moved} message(s) from {report.source} to {report.target}"
+    if not report.dry_run:
+        line += f" in {report.elapsed_s:.1f} s ({report.rate:,.0f} msg/s, {report.passes} round(s))"
+    out.print(escape(line))
+    if report.moved:
+        if report.later:
+            out.print(
+                escape(
+                    f"lateness added by the target's route: {report.later} of {report.moved} "
+                    f"later than due, by at most {format_ms(report.added_max_ms)} "
+                    f"(mean {format_ms(round(report.added_mean_ms))})"
+                )
+            )
+        else:
+            out.print("lateness added: none (every due time kept exactly)")
+        if report.overdue_max_ms:
+            out.print(
+                escape(
+                    "some were due already when read (moved to be delivered now): the most "
+                    f"overdue by {format_ms(report.overdue_max_ms)}"
+                )
+            )
+    for line in report.left_lines():
+        err.print("[yellow]left in place:[/] ", end="")
+        err.print(redact(line), markup=False)
+    if report.pending_after:
+        still = ", ".join(
+            f"{q.source.name}: {q.pending_after}" for q in report.queues if q.pending_after
+        )
+        if report.limit_reached:
+            out.print(escape(f"--limit {report.limit} reached; still in the source: {still}"))
+        else:
+            err.print("[yellow]still in the source:[/] ", end="")
+            err.print(f"{report.pending_after} ({still}); run transfer again", markup=False)
+    if report.people:
+        held = ", ".join(f"{name}: {n}" for name, n in report.people.items())
+        err.print("[yellow]not moved (they wait for a human):[/] ", end="")
+        err.print(
+            f"{held}; replay them (`rabbit-delay replay`) before retiring the source",
+            markup=False,
+        )
+    for note in report.notes:
+        out.print(f"[cyan]note:[/] {escape(note)}")
+    if report.dry_run:
+        out.print("dry run: nothing was changed (every message read was given back)")
+
+
+@app.command("transfer")
+def transfer_command(
+    file: TopologyOpt = None,
+    to: ToOpt = None,
+    url: UrlOpt = None,
+    to_url: ToUrlOpt = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Read every pending message and give it back: what would move where, "
+            "how late; nothing is published or acked.",
+        ),
+    ] = False,
+    limit: Annotated[
+        int | None,
+        typer.Option("--limit", "-n", min=1, help="Move at most N messages.", show_default=False),
+    ] = None,
+    ready: Annotated[
+        bool,
+        typer.Option(
+            "--ready/--no-ready",
+            help="Also move the ready (due) messages of business queues that have no consumers.",
+        ),
+    ] = True,
+    batch: Annotated[
+        int,
+        typer.Option(
+            "--batch", min=1, max=65_535, help="Messages read, published and acked at a time."
+        ),
+    ] = _BATCH,
+    as_json: JsonOpt = False,
+) -> None:
+    """Move pending messages to another topology (--to) or broker (--to-url).
+
+    Reads the tier buffers, the cascade levels and the ready messages nobody consumes.
+
+    Each copy keeps its message_id, headers and due time (rd-due-at).
+
+    It waits what remains: exactly with a cascade, else in the shortest tier not shorter.
+
+    Every copy is confirmed before its original is acked; a re-run after a crash finishes the job.
+
+    The delayed-message plugin's pending messages cannot be read (docs/transfer.md).
+
+    Exit code 0 when everything moved; 1 on an error or when messages were left in place.
+    """
+    from rabbit_delay._ops.transfer.execute import transfer
+    from rabbit_delay._ops.transfer.rules import Transfer
+    from rabbit_delay.sync import Publisher
+    from rabbit_delay.sync._connection import close_quietly, connect_first
+
+    with errors_to_exit():
+        source = resolve_topology(file)
+        target = load_topology(to) if to is not None else source
+        urls = url_for(url)
+        to_urls = url_for(to_url) if to_url else urls
+        rules = Transfer(source, target)
+        connection, _broker = connect_first(urls, name="rabbit-delay transfer")
+        try:
+            publisher = Publisher(target, list(to_urls), window=batch)
+            try:
+                shown = err.is_terminal and not as_json
+                with _progress_bar(shown, "reading" if dry_run else "moving") as progress:
+                    report = transfer(
+                        connection,
+                        publisher,
+                        rules,
+                        dry_run=dry_run,
+                        limit=limit,
+                        ready=ready,
+                        batch=batch,
+                        progress=progress,
+                    )
+            finally:
+                publisher.close()
+        finally:
+            close_quietly(connection)
+
+    if as_json:
+        print_json(report.as_json())
+    else:
+        _print_report(report)
+    if report.error is not None:
+        if as_json:
+            raise typer.Exit(EXIT_ERROR)
+        fail(report.error)
+    raise typer.Exit(EXIT_OK if report.complete else EXIT_ERROR)
+
+
+__all__ = ["transfer_command"]

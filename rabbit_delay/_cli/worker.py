@@ -1,0 +1,283 @@
+"""worker: run an App's consumers."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import sys
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from rabbit_delay._cli.app import UrlOpt, app, errors_to_exit, fail, url_for
+from rabbit_delay._consumer.app import App, Transport
+from rabbit_delay._consumer.worker_base import WorkerBase, WorkerSettings
+from rabbit_delay._durations import parse_ms
+from rabbit_delay._errors import DurationError
+from rabbit_delay._observe.logs import JsonFormatter, TextFormatter
+
+if TYPE_CHECKING:
+    from rabbit_delay.aio._worker import AsyncWorker
+
+log = logging.getLogger("rabbit_delay.worker")
+
+
+class TransportChoice(StrEnum):
+    AUTO = "auto"
+    SYNC = "sync"
+    ASYNC = "async"
+
+
+class LogLevel(StrEnum):
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+class LogFormat(StrEnum):
+    TEXT = "text"
+    JSON = "json"
+
+
+# The AMQP clients: pika (sync), aio-pika and aiormq under it (async).
+CLIENT_LOGGERS = ("pika", "aio_pika", "aiormq")
+
+
+def configure_logging(level: LogLevel, log_format: LogFormat = LogFormat.TEXT) -> None:
+    """rabbit-delay's loggers at `level`; the AMQP clients' only at debug; records as
+    text lines or JSON objects (rabbit_delay._observe.logs), on stderr, redacted.
+
+    The workers log every connection problem themselves, redacted and once. The clients
+    log the same failure again as a handful of ERROR lines and a traceback (pika's
+    `LOGGER.exception` on a refused login), and pika logs each 404 of a passive declare
+    as a warning: details for --log-level debug, noise otherwise.
+    """
+    handler = logging.StreamHandler()  # stderr
+    handler.setFormatter(JsonFormatter() if log_format is LogFormat.JSON else TextFormatter())
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    logging.getLogger("rabbit_delay").setLevel(level.upper())
+    client_level = logging.INFO if level is LogLevel.DEBUG else logging.CRITICAL
+    for name in CLIENT_LOGGERS:
+        logging.getLogger(name).setLevel(client_level)
+
+
+def load_app(target: str, app_dir: Path) -> App:
+    """Import `MODULE:ATTR` (ATTR may be dotted, or a factory returning an App)."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        fail(f"{target!r}: give the app as MODULE:APP, e.g. myapp.workers:app")
+    sys.path.insert(0, str(app_dir.resolve()))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        if exc.name == module_name or module_name.startswith(f"{exc.name}."):
+            fail(
+                f"cannot import module {module_name!r} from {app_dir.resolve()} "
+                "(or sys.path): use --app-dir to name its directory"
+            )
+        raise
+    obj: object = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            fail(f"module {module_name!r} has no attribute {attr!r}")
+    if not isinstance(obj, App) and callable(obj):
+        obj = obj()
+    if not isinstance(obj, App):
+        fail(f"{target!r} is a {type(obj).__name__}, not a rabbit_delay._consumer.app.App")
+    return obj
+
+
+TargetArg = Annotated[
+    str, typer.Argument(metavar="MODULE:APP", help="The App, e.g. myapp.workers:app.")
+]
+QueueOpt = Annotated[
+    list[str] | None,
+    typer.Option("--queue", "-q", help="Consume only this queue (repeatable); default: all."),
+]
+PrefetchOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--prefetch", min=1, help="Unacked deliveries per queue (default: 2 x concurrency)."
+    ),
+]
+ConcurrencyOpt = Annotated[
+    int | None,
+    typer.Option("--concurrency", "-c", min=1, help="Handlers at once (default: sync 4, async 16)"),
+]
+DeclareOpt = Annotated[
+    bool, typer.Option("--declare", help="Declare the topology first (needs configure permission).")
+]
+TransportOpt = Annotated[
+    TransportChoice,
+    typer.Option(
+        "--transport",
+        help=(
+            "sync (pika, threads) or async (aio-pika); auto: async if a handler or reconciler "
+            "is async def."
+        ),
+    ),
+]
+ShutdownOpt = Annotated[
+    str, typer.Option("--shutdown-timeout", help="On SIGINT/SIGTERM, time for in-flight handlers.")
+]
+ReconnectMaxOpt = Annotated[
+    str,
+    typer.Option(
+        "--reconnect-max",
+        help="After a lost connection, the longest wait between reconnect rounds "
+        "(they start at 250ms and double).",
+    ),
+]
+AppDirOpt = Annotated[
+    Path, typer.Option("--app-dir", help="Directory to import MODULE from (default: current).")
+]
+MetricsPortOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--metrics-port",
+        min=0,
+        max=65535,
+        help="Serve Prometheus /metrics, and /healthz and /readyz, on this port.",
+        show_default=False,
+    ),
+]
+HealthPortOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--health-port",
+        min=0,
+        max=65535,
+        help="Serve only /healthz (liveness) and /readyz (readiness) on this port, "
+        "without metrics. Give this or --metrics-port.",
+        show_default=False,
+    ),
+]
+LogFormatOpt = Annotated[
+    LogFormat,
+    typer.Option(
+        "--log-format",
+        help="text lines, or json: one JSON object per line (ts, level, logger, message; "
+        "message_id, queue, attempt, tier for a delivery; exc_info).",
+    ),
+]
+LogLevelOpt = Annotated[
+    LogLevel,
+    typer.Option(
+        "--log-level",
+        help="Level of rabbit-delay's loggers; debug also shows the AMQP client's (pika, aiormq).",
+    ),
+]
+
+
+@app.command()
+def worker(
+    target: TargetArg,
+    queue: QueueOpt = None,
+    prefetch: PrefetchOpt = None,
+    concurrency: ConcurrencyOpt = None,
+    declare: DeclareOpt = False,
+    transport: TransportOpt = TransportChoice.AUTO,
+    shutdown_timeout: ShutdownOpt = "30s",
+    reconnect_max: ReconnectMaxOpt = "30s",
+    app_dir: AppDirOpt = Path("."),
+    log_level: LogLevelOpt = LogLevel.INFO,
+    log_format: LogFormatOpt = LogFormat.TEXT,
+    metrics_port: MetricsPortOpt = None,
+    health_port: HealthPortOpt = None,
+    url: UrlOpt = None,
+) -> None:
+    """Run the consumers of MODULE:APP until SIGINT/SIGTERM.
+
+    Acks after the handler returned; failures retry through the queue's delay tiers
+    and end up in its parking lot. Without --declare, queues are only checked with
+    passive declarations (read permission is enough).
+    """
+    configure_logging(log_level, log_format)
+    if metrics_port is not None and health_port is not None:
+        fail("give --metrics-port (which also serves /healthz and /readyz) or --health-port")
+    durations: dict[str, float] = {}
+    for option, text in (
+        ("--shutdown-timeout", shutdown_timeout),
+        ("--reconnect-max", reconnect_max),
+    ):
+        try:
+            durations[option] = parse_ms(text) / 1000
+        except DurationError as exc:
+            fail(f"{option}: {exc}", kind=type(exc).__name__)
+    if durations["--reconnect-max"] <= 0:
+        fail("--reconnect-max: must be longer than zero, e.g. 30s")
+    with errors_to_exit():
+        broker = url_for(url)  # before importing the app: a bad URL is refused at once
+        the_app = load_app(target, app_dir)
+        consumers = the_app.select(queue)
+        if transport is TransportChoice.AUTO:
+            uses_async = any(c.is_async for c in consumers) or any(
+                r.is_async for r in the_app.reconcilers.values()
+            )
+            chosen = Transport.ASYNC if uses_async else Transport.SYNC
+        else:
+            chosen = Transport(transport.value)
+        metrics = None
+        if metrics_port is not None:
+            from rabbit_delay._observe.metrics import default_metrics
+
+            metrics = default_metrics()
+        # concurrency None: each worker's own default (4 threads, 16 tasks)
+        settings: WorkerSettings = {
+            "queues": queue,
+            "prefetch": prefetch,
+            "concurrency": concurrency,
+            "declare": declare,
+            "shutdown_timeout": durations["--shutdown-timeout"],
+            "reconnect_max_s": durations["--reconnect-max"],
+            "metrics": metrics,
+        }
+        try:
+            if chosen is Transport.SYNC:
+                from rabbit_delay.sync._worker import Worker
+
+                sync_worker = Worker(the_app, broker, **settings)
+                _serve(sync_worker, metrics_port, health_port)
+                sync_worker.run()
+            else:
+                from rabbit_delay.aio._worker import AsyncWorker
+
+                async_worker = AsyncWorker(the_app, broker, **settings)
+                _serve(async_worker, metrics_port, health_port)
+                asyncio.run(_run_async(the_app, async_worker))
+        finally:
+            if chosen is Transport.SYNC:
+                the_app.close()
+
+
+def _serve(the_worker: WorkerBase, metrics_port: int | None, health_port: int | None) -> None:
+    """Start the HTTP endpoints (rabbit_delay._io.endpoints) before the worker runs, so a
+    probe sees it starting. Exits when the port cannot be bound."""
+    port = metrics_port if metrics_port is not None else health_port
+    if port is None:
+        return
+    from rabbit_delay._io.endpoints import serve
+
+    try:
+        server, _thread = serve(port, health=the_worker.health, metrics=metrics_port is not None)
+    except OSError as exc:
+        option = "--metrics-port" if metrics_port is not None else "--health-port"
+        fail(f"{option} {port}: cannot listen there ({exc.strerror or exc})")
+    routes = "/metrics, /healthz, /readyz" if metrics_port is not None else "/healthz, /readyz"
+    log.info("serving %s on port %d", routes, server.server_port)
+
+
+async def _run_async(the_app: App, async_worker: AsyncWorker) -> None:
+    try:
+        await async_worker.run()
+    finally:
+        await the_app.aclose()
+
+
+__all__ = ["LogFormat", "configure_logging", "load_app", "worker"]

@@ -1,0 +1,587 @@
+"""The idempotency contract: claim results, the store protocols and the guards. Pure."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, fields
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+from rabbit_delay._envelope import now_ms as wall_clock_ms
+from rabbit_delay._errors import ConfigError
+
+if TYPE_CHECKING:
+    from rabbit_delay._topology.model import IdempotencyConfig
+
+DEFAULT_PREFIX = "rabbit-delay:"
+
+Clock = Callable[[], int]
+
+# Batch items: (key, owner) to claim; (key, owner, succeeded) to finish, where True
+# completes the key and False releases the claim.
+ClaimItem = tuple[str, str]
+FinishItem = tuple[str, str, bool]
+
+
+class ClaimResult(StrEnum):
+    """What a claim found, and so what the worker does with the delivery."""
+
+    CLAIMED = "claimed"  # run the handler
+    DONE = "done"  # already handled: ack and skip
+    IN_PROGRESS = "in_progress"  # another owner holds a live lease: do not run it now
+    CANCELLED = "cancelled"  # a tombstone: ack and drop
+
+
+class IdempotencyStore(Protocol):
+    """Where claims, done-records and tombstones live. Synchronous.
+
+    Times are epoch milliseconds passed in by the caller (a testable clock); a record
+    whose `expires_at` is at or before `now_ms` counts as absent. The Redis stores
+    ignore `now_ms` and judge by the server's clock, the one clock every worker shares.
+    Keys are namespaced by the store's prefix. Errors of the backend (`sqlite3.Error`,
+    `redis.RedisError`) propagate unchanged, except from the batch operations, which
+    return them in their slots.
+    """
+
+    @property
+    def needs_purge(self) -> bool:
+        """True when expired rows stay until `purge()`; False when the backend expires them."""
+        ...
+
+    def claim(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> ClaimResult:
+        """CLAIMED if free, expired, or already held by `owner` (the lease is renewed);
+        DONE / CANCELLED for a live done-record / tombstone; IN_PROGRESS if another
+        owner holds a live lease."""
+        ...
+
+    def complete(self, key: str, owner: str, *, now_ms: int, retention_ms: int) -> None:
+        """Record `key` done for `retention_ms`; a no-op on a live done-record or tombstone."""
+        ...
+
+    def release(self, key: str, owner: str) -> None:
+        """Drop `owner`'s claim so a retry can run; a no-op if `owner` no longer holds it."""
+        ...
+
+    def renew(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> bool:
+        """Extend `owner`'s claim to `now_ms + lease_ms`; never creates a record.
+
+        True when the record is a claim by `owner`, even one whose lease ran out that
+        nobody took over since; False when it was released, completed, cancelled, taken
+        over by another owner, or is absent (the handler has lost its lease).
+        """
+        ...
+
+    def claim_many(
+        self, items: Sequence[ClaimItem], *, now_ms: int, lease_ms: int
+    ) -> list[ClaimResult | Exception]:
+        """`claim` each (key, owner) in one transaction or round trip, in order.
+
+        A failing item gets its exception in its slot and the others still run; a
+        failure of the whole batch (connection lost, database locked) puts the same
+        exception in every slot. Backend errors are never raised.
+        """
+        ...
+
+    def finish_many(
+        self, items: Sequence[FinishItem], *, now_ms: int, retention_ms: int
+    ) -> list[Exception | None]:
+        """For each (key, owner, succeeded): `complete` when succeeded, else `release`.
+
+        One transaction or round trip; errors into their slots like `claim_many`.
+        """
+        ...
+
+    def cancel(self, key: str, *, now_ms: int, retention_ms: int) -> None:
+        """Write a tombstone, overriding a claim or done-record, for `retention_ms`."""
+        ...
+
+    def purge(self, *, now_ms: int) -> int:
+        """Delete expired claims, done-records and tombstones; returns how many."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class AsyncIdempotencyStore(Protocol):
+    """`IdempotencyStore` with coroutine methods (same semantics)."""
+
+    @property
+    def needs_purge(self) -> bool: ...
+
+    async def claim(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> ClaimResult: ...
+
+    async def complete(self, key: str, owner: str, *, now_ms: int, retention_ms: int) -> None: ...
+
+    async def release(self, key: str, owner: str) -> None: ...
+
+    async def renew(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> bool: ...
+
+    async def claim_many(
+        self, items: Sequence[ClaimItem], *, now_ms: int, lease_ms: int
+    ) -> list[ClaimResult | Exception]: ...
+
+    async def finish_many(
+        self, items: Sequence[FinishItem], *, now_ms: int, retention_ms: int
+    ) -> list[Exception | None]: ...
+
+    async def cancel(self, key: str, *, now_ms: int, retention_ms: int) -> None: ...
+
+    async def purge(self, *, now_ms: int) -> int: ...
+
+    async def close(self) -> None: ...
+
+
+# -- calls that tolerate a store written before renew and the batch operations ----------
+# (a user's own store): the guards and SyncStoreAsAsync go through these.
+
+
+def _renew_with(
+    store: IdempotencyStore, key: str, owner: str, *, now_ms: int, lease_ms: int
+) -> bool:
+    renew = getattr(store, "renew", None)
+    if renew is None:
+        # A re-entrant claim extends the lease too, but unlike renew it would also take
+        # a key that is free again: the best such a store can do.
+        return store.claim(key, owner, now_ms=now_ms, lease_ms=lease_ms) is ClaimResult.CLAIMED
+    return bool(renew(key, owner, now_ms=now_ms, lease_ms=lease_ms))
+
+
+def _claim_many_with(
+    store: IdempotencyStore, items: Sequence[ClaimItem], *, now_ms: int, lease_ms: int
+) -> list[ClaimResult | Exception]:
+    batch = getattr(store, "claim_many", None)
+    if batch is not None:
+        try:
+            return list(batch(items, now_ms=now_ms, lease_ms=lease_ms))
+        except Exception as exc:
+            return [exc] * len(items)
+    results: list[ClaimResult | Exception] = []
+    for key, owner in items:
+        try:
+            results.append(store.claim(key, owner, now_ms=now_ms, lease_ms=lease_ms))
+        except Exception as exc:
+            results.append(exc)
+    return results
+
+
+def _finish_many_with(
+    store: IdempotencyStore, items: Sequence[FinishItem], *, now_ms: int, retention_ms: int
+) -> list[Exception | None]:
+    batch = getattr(store, "finish_many", None)
+    if batch is not None:
+        try:
+            return list(batch(items, now_ms=now_ms, retention_ms=retention_ms))
+        except Exception as exc:
+            return [exc] * len(items)
+    results: list[Exception | None] = []
+    for key, owner, succeeded in items:
+        try:
+            if succeeded:
+                store.complete(key, owner, now_ms=now_ms, retention_ms=retention_ms)
+            else:
+                store.release(key, owner)
+            results.append(None)
+        except Exception as exc:
+            results.append(exc)
+    return results
+
+
+async def _async_renew_with(
+    store: AsyncIdempotencyStore, key: str, owner: str, *, now_ms: int, lease_ms: int
+) -> bool:
+    renew: Callable[..., Awaitable[bool]] | None = getattr(store, "renew", None)
+    if renew is None:
+        claimed = await store.claim(key, owner, now_ms=now_ms, lease_ms=lease_ms)
+        return claimed is ClaimResult.CLAIMED
+    return bool(await renew(key, owner, now_ms=now_ms, lease_ms=lease_ms))
+
+
+async def _async_claim_many_with(
+    store: AsyncIdempotencyStore, items: Sequence[ClaimItem], *, now_ms: int, lease_ms: int
+) -> list[ClaimResult | Exception]:
+    batch: Callable[..., Awaitable[list[ClaimResult | Exception]]] | None = getattr(
+        store, "claim_many", None
+    )
+    if batch is not None:
+        try:
+            return list(await batch(items, now_ms=now_ms, lease_ms=lease_ms))
+        except Exception as exc:
+            return [exc] * len(items)
+    results: list[ClaimResult | Exception] = []
+    for key, owner in items:
+        try:
+            results.append(await store.claim(key, owner, now_ms=now_ms, lease_ms=lease_ms))
+        except Exception as exc:
+            results.append(exc)
+    return results
+
+
+async def _async_finish_many_with(
+    store: AsyncIdempotencyStore, items: Sequence[FinishItem], *, now_ms: int, retention_ms: int
+) -> list[Exception | None]:
+    batch: Callable[..., Awaitable[list[Exception | None]]] | None = getattr(
+        store, "finish_many", None
+    )
+    if batch is not None:
+        try:
+            return list(await batch(items, now_ms=now_ms, retention_ms=retention_ms))
+        except Exception as exc:
+            return [exc] * len(items)
+    results: list[Exception | None] = []
+    for key, owner, succeeded in items:
+        try:
+            if succeeded:
+                await store.complete(key, owner, now_ms=now_ms, retention_ms=retention_ms)
+            else:
+                await store.release(key, owner)
+            results.append(None)
+        except Exception as exc:
+            results.append(exc)
+    return results
+
+
+class SyncStoreAsAsync:
+    """An `AsyncIdempotencyStore` that calls a local store directly, on the event loop.
+
+    Right for the memory and SQLite stores, whose operations take microseconds: a
+    thread hop would cost more than the call. The one stall is SQLite's busy wait when
+    another process holds the write lock (bounded by the store's busy timeout).
+    """
+
+    __slots__ = ("store",)
+
+    def __init__(self, store: IdempotencyStore) -> None:
+        self.store = store
+
+    @property
+    def needs_purge(self) -> bool:
+        return self.store.needs_purge
+
+    async def claim(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> ClaimResult:
+        return self.store.claim(key, owner, now_ms=now_ms, lease_ms=lease_ms)
+
+    async def complete(self, key: str, owner: str, *, now_ms: int, retention_ms: int) -> None:
+        self.store.complete(key, owner, now_ms=now_ms, retention_ms=retention_ms)
+
+    async def release(self, key: str, owner: str) -> None:
+        self.store.release(key, owner)
+
+    async def renew(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> bool:
+        return _renew_with(self.store, key, owner, now_ms=now_ms, lease_ms=lease_ms)
+
+    async def claim_many(
+        self, items: Sequence[ClaimItem], *, now_ms: int, lease_ms: int
+    ) -> list[ClaimResult | Exception]:
+        return _claim_many_with(self.store, items, now_ms=now_ms, lease_ms=lease_ms)
+
+    async def finish_many(
+        self, items: Sequence[FinishItem], *, now_ms: int, retention_ms: int
+    ) -> list[Exception | None]:
+        return _finish_many_with(self.store, items, now_ms=now_ms, retention_ms=retention_ms)
+
+    async def cancel(self, key: str, *, now_ms: int, retention_ms: int) -> None:
+        self.store.cancel(key, now_ms=now_ms, retention_ms=retention_ms)
+
+    async def purge(self, *, now_ms: int) -> int:
+        return self.store.purge(now_ms=now_ms)
+
+    async def close(self) -> None:
+        self.store.close()
+
+
+@dataclass
+class GuardStats:
+    """Counters of claim outcomes, for metrics. Read them; the guard increments them."""
+
+    claimed: int = 0  # CLAIMED, re-entrant claims included (renew() is not counted)
+    duplicates_skipped: int = 0  # DONE: a redelivery or duplicate publish of a handled message
+    in_progress_deferred: int = 0  # IN_PROGRESS: a copy is being handled elsewhere
+    cancelled_dropped: int = 0  # CANCELLED: a tombstone stopped the handler
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_COUNTER = {
+    ClaimResult.CLAIMED: "claimed",
+    ClaimResult.DONE: "duplicates_skipped",
+    ClaimResult.IN_PROGRESS: "in_progress_deferred",
+    ClaimResult.CANCELLED: "cancelled_dropped",
+}
+
+
+def _check_durations(lease_ms: int, retention_ms: int) -> None:
+    if lease_ms <= 0:
+        raise ConfigError(f"idempotency lease must be positive, got {lease_ms} ms")
+    if retention_ms <= 0:
+        raise ConfigError(f"idempotency retention must be positive, got {retention_ms} ms")
+
+
+_EMPTY_KEY = "an idempotency key must be a non-empty string (is message_id missing?)"
+
+_Item = TypeVar("_Item", ClaimItem, FinishItem)
+
+
+def _check_key(key: str) -> None:
+    if not key:
+        raise ValueError(_EMPTY_KEY)
+
+
+class _Slots(Generic[_Item]):
+    """A batch's items with an empty key answered at once by a ValueError in its slot;
+    the rest (`valid`) go to the store, and `fill` puts their outcomes back in order."""
+
+    def __init__(self, items: Sequence[_Item]) -> None:
+        self.results: list[Any] = [None] * len(items)
+        self.index: list[int] = []
+        self.valid: list[_Item] = []
+        for i, item in enumerate(items):
+            if item[0]:
+                self.index.append(i)
+                self.valid.append(item)
+            else:
+                self.results[i] = ValueError(_EMPTY_KEY)
+
+    def fill(self, outcomes: Sequence[Any]) -> list[Any]:
+        for i, outcome in zip(self.index, outcomes, strict=True):
+            self.results[i] = outcome
+        return self.results
+
+
+class _GuardBase:
+    def __init__(self, *, lease_ms: int, retention_ms: int, clock: Clock) -> None:
+        _check_durations(lease_ms, retention_ms)
+        self.lease_ms = lease_ms
+        self.retention_ms = retention_ms
+        self.clock = clock
+        self.stats = GuardStats()
+        # Counters are bumped from worker threads; `+=` on an attribute is not atomic.
+        self._stats_lock = threading.Lock()
+
+    def _tombstone_ms(self, retention_ms: int | None) -> int:
+        if retention_ms is None:
+            return self.retention_ms
+        if retention_ms <= 0:
+            raise ValueError(f"a tombstone's retention must be positive, got {retention_ms} ms")
+        return retention_ms
+
+    def _count(self, result: ClaimResult) -> None:
+        name = _COUNTER[result]
+        with self._stats_lock:
+            setattr(self.stats, name, getattr(self.stats, name) + 1)
+
+    def _count_all(self, results: Sequence[ClaimResult | Exception]) -> None:
+        with self._stats_lock:
+            for result in results:
+                if isinstance(result, ClaimResult):
+                    name = _COUNTER[result]
+                    setattr(self.stats, name, getattr(self.stats, name) + 1)
+
+
+class Guard(_GuardBase):
+    """A store bound to a lease, a retention and a clock; counts claim outcomes.
+
+    `owner` must identify one handling attempt (a fresh token per delivery, not per
+    process): a claim by the same owner is re-entrant and would let two deliveries with
+    one owner run together. A long handler keeps its lease with `renew`.
+
+    Raises ConfigError for a lease or retention that is not positive.
+    """
+
+    def __init__(
+        self,
+        store: IdempotencyStore,
+        *,
+        lease_ms: int,
+        retention_ms: int,
+        clock: Clock = wall_clock_ms,
+    ) -> None:
+        super().__init__(lease_ms=lease_ms, retention_ms=retention_ms, clock=clock)
+        self.store = store
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: IdempotencyConfig,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        clock: Clock = wall_clock_ms,
+    ) -> Guard:
+        """A guard over the store `cfg` names, with its lease and retention.
+
+        Raises like `store_from_config`.
+        """
+        from rabbit_delay._stores.factory import store_from_config
+
+        store = store_from_config(cfg, prefix=prefix)
+        return cls(store, lease_ms=cfg.lease, retention_ms=cfg.retention, clock=clock)
+
+    def claim(self, key: str, owner: str) -> ClaimResult:
+        """Claim `key` for `owner` before the handler runs.
+
+        Raises ValueError for an empty key; store errors propagate.
+        """
+        _check_key(key)
+        result = self.store.claim(key, owner, now_ms=self.clock(), lease_ms=self.lease_ms)
+        self._count(result)
+        return result
+
+    def renew(self, key: str, owner: str) -> bool:
+        """Extend `owner`'s lease on `key` to a full lease from now, while the handler runs.
+
+        False means the lease is lost (released, done, cancelled, taken over by another
+        owner, or gone): another copy may be running. Never creates a claim, except
+        through a store without `renew`, where a re-entrant `claim` stands in for it.
+        Not counted in `stats`. Raises ValueError for an empty key; store errors
+        propagate.
+        """
+        _check_key(key)
+        return _renew_with(self.store, key, owner, now_ms=self.clock(), lease_ms=self.lease_ms)
+
+    def claim_many(self, items: Sequence[ClaimItem]) -> list[ClaimResult | Exception]:
+        """`claim` each (key, owner) of a prefetched batch in one store transaction or
+        round trip; one result per item, in order, counted in `stats` like `claim`.
+
+        Never raises: an item with an empty key gets a ValueError in its slot, a store
+        error goes to the slots it concerns (every slot when the whole batch failed).
+        """
+        slots = _Slots(items)
+        results = _claim_many_with(
+            self.store, slots.valid, now_ms=self.clock(), lease_ms=self.lease_ms
+        )
+        self._count_all(results)
+        return slots.fill(results)
+
+    def finish_many(self, items: Sequence[FinishItem]) -> list[Exception | None]:
+        """For each (key, owner, succeeded): `done` when succeeded, else `failed`, in one
+        store transaction or round trip. None per item that went through, else its
+        exception (an empty key: ValueError), like `claim_many`. Never raises.
+        """
+        slots = _Slots(items)
+        results = _finish_many_with(
+            self.store, slots.valid, now_ms=self.clock(), retention_ms=self.retention_ms
+        )
+        return slots.fill(results)
+
+    def finish_and_claim_many(
+        self, finishes: Sequence[FinishItem], claims: Sequence[ClaimItem]
+    ) -> tuple[list[Exception | None], list[ClaimResult | Exception]]:
+        """`finish_many(finishes)` then `claim_many(claims)`, in one store transaction
+        where the store can (`SQLiteStore.finish_and_claim_many`: one commit for a
+        worker's whole batch), else one after the other. Never raises."""
+        combined = getattr(self.store, "finish_and_claim_many", None)
+        if combined is None or not finishes or not claims:
+            return self.finish_many(finishes), self.claim_many(claims)
+        done_slots, claim_slots = _Slots(finishes), _Slots(claims)
+        try:
+            finished, claimed = combined(
+                done_slots.valid,
+                claim_slots.valid,
+                now_ms=self.clock(),
+                lease_ms=self.lease_ms,
+                retention_ms=self.retention_ms,
+            )
+        except Exception as exc:  # a store that breaks the batch contract
+            finished = [exc] * len(done_slots.valid)
+            claimed = [exc] * len(claim_slots.valid)
+        self._count_all(claimed)
+        return done_slots.fill(finished), claim_slots.fill(claimed)
+
+    def done(self, key: str, owner: str) -> None:
+        """The handler succeeded: keep `key` as done for the retention period."""
+        self.store.complete(key, owner, now_ms=self.clock(), retention_ms=self.retention_ms)
+
+    def failed(self, key: str, owner: str) -> None:
+        """The handler failed: drop the claim so the retry can claim it."""
+        self.store.release(key, owner)
+
+    def cancel(self, key: str, *, retention_ms: int | None = None) -> None:
+        """Tombstone `key`: when a message with this key arrives, it is dropped unhandled.
+
+        The tombstone must outlive the message's due time (and its retries): pass
+        `retention_ms` for a delay longer than the configured retention.
+        Raises ValueError for an empty key or a retention that is not positive.
+        """
+        _check_key(key)
+        keep = self._tombstone_ms(retention_ms)
+        self.store.cancel(key, now_ms=self.clock(), retention_ms=keep)
+
+    def purge(self) -> int:
+        """Delete expired records now; returns how many."""
+        return self.store.purge(now_ms=self.clock())
+
+
+class AsyncGuard(_GuardBase):
+    """`Guard` over an `AsyncIdempotencyStore`. Raises ConfigError like `Guard`."""
+
+    def __init__(
+        self,
+        store: AsyncIdempotencyStore,
+        *,
+        lease_ms: int,
+        retention_ms: int,
+        clock: Clock = wall_clock_ms,
+    ) -> None:
+        super().__init__(lease_ms=lease_ms, retention_ms=retention_ms, clock=clock)
+        self.store = store
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: IdempotencyConfig,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        clock: Clock = wall_clock_ms,
+    ) -> AsyncGuard:
+        """A guard over `async_store_from_config(cfg)`. Raises like `store_from_config`."""
+        from rabbit_delay._stores.factory import async_store_from_config
+
+        store = async_store_from_config(cfg, prefix=prefix)
+        return cls(store, lease_ms=cfg.lease, retention_ms=cfg.retention, clock=clock)
+
+    async def claim(self, key: str, owner: str) -> ClaimResult:
+        """See `Guard.claim`. Raises ValueError for an empty key."""
+        _check_key(key)
+        result = await self.store.claim(key, owner, now_ms=self.clock(), lease_ms=self.lease_ms)
+        self._count(result)
+        return result
+
+    async def renew(self, key: str, owner: str) -> bool:
+        """See `Guard.renew`. Raises ValueError for an empty key."""
+        _check_key(key)
+        return await _async_renew_with(
+            self.store, key, owner, now_ms=self.clock(), lease_ms=self.lease_ms
+        )
+
+    async def claim_many(self, items: Sequence[ClaimItem]) -> list[ClaimResult | Exception]:
+        """See `Guard.claim_many`. Never raises."""
+        slots = _Slots(items)
+        results = await _async_claim_many_with(
+            self.store, slots.valid, now_ms=self.clock(), lease_ms=self.lease_ms
+        )
+        self._count_all(results)
+        return slots.fill(results)
+
+    async def finish_many(self, items: Sequence[FinishItem]) -> list[Exception | None]:
+        """See `Guard.finish_many`. Never raises."""
+        slots = _Slots(items)
+        results = await _async_finish_many_with(
+            self.store, slots.valid, now_ms=self.clock(), retention_ms=self.retention_ms
+        )
+        return slots.fill(results)
+
+    async def done(self, key: str, owner: str) -> None:
+        await self.store.complete(key, owner, now_ms=self.clock(), retention_ms=self.retention_ms)
+
+    async def failed(self, key: str, owner: str) -> None:
+        await self.store.release(key, owner)
+
+    async def cancel(self, key: str, *, retention_ms: int | None = None) -> None:
+        """See `Guard.cancel`. Raises ValueError for an empty key or a bad retention."""
+        _check_key(key)
+        keep = self._tombstone_ms(retention_ms)
+        await self.store.cancel(key, now_ms=self.clock(), retention_ms=keep)
+
+    async def purge(self) -> int:
+        return await self.store.purge(now_ms=self.clock())

@@ -1,0 +1,170 @@
+"""The dashboard's broker side, on pika: the same calls `status`, `parked` and `replay`
+make, behind one object the HTTP layer (`rabbit_delay.dashboard`) is given.
+
+Each operation opens its own connection (a WSGI server answers from several threads; a
+pika connection belongs to one), and every operation on one parking lot holds that lot's
+lock: two peeks of one queue at the same time could interleave what they put back (see
+`sync.replay.REQUEUE_BATCH`), and a replay must not run under a peek. A lot is peeked
+whole (which keeps its order) and kept for `every` seconds, so paging through it or
+opening a message reads the broker once per refresh interval, not once per page.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pika
+
+from rabbit_delay._ops.dashboard.rules import Poller
+from rabbit_delay._ops.parked.execute import parking_lot, peek_lot, purge_parked
+from rabbit_delay._ops.parked.rules import ParkedDetail, ParkedPage, check_page, find, page
+from rabbit_delay._ops.replay.execute import ReplayReport, replay_parked
+from rabbit_delay._ops.replay.rules import Stored
+from rabbit_delay._ops.status.execute import read_status
+from rabbit_delay._ops.status.rules import Status
+from rabbit_delay._topology.model import Topology
+from rabbit_delay._urls import redact
+from rabbit_delay.sync._connection import close_quietly, connect_first
+
+log = logging.getLogger("rabbit_delay.dashboard")
+NAME = "rabbit-delay dashboard"
+
+
+@dataclass(frozen=True, slots=True)
+class Lot:
+    queue: str  # logical
+    parking_queue: str
+    messages: tuple[Stored, ...]
+
+
+class BrokerBackend:
+    """What the dashboard reads from and does to the broker."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        urls: Sequence[str],
+        *,
+        every: float,
+        management_url: str | None = None,
+        no_management: bool = False,
+    ) -> None:
+        self.topology = topology
+        self.urls = tuple(urls)
+        self.every = every
+        self.management_url = management_url
+        self.no_management = no_management
+        self._lots: dict[str, Poller[Lot]] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    # -- status ---------------------------------------------------------------------------
+
+    def read_status(self) -> Status:
+        """`rabbit-delay status`, as it reads it. Raises what `read_status` raises."""
+        return read_status(
+            self.topology,
+            self.urls,
+            management_url=self.management_url,
+            no_management=self.no_management,
+            name=NAME,
+        )
+
+    # -- parking lots -----------------------------------------------------------------------
+
+    @contextmanager
+    def _connection(self) -> Iterator[pika.BlockingConnection]:
+        """A connection of this operation's own (the first of the URLs that answers)."""
+        connection, _ = connect_first(self.urls, name=NAME)
+        try:
+            yield connection
+        finally:
+            close_quietly(connection)
+
+    def _lock(self, lot: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(lot, threading.Lock())
+
+    def _poller(self, queue: str) -> Poller[Lot]:
+        logical, lot = parking_lot(self.topology, queue)  # UnknownTargetError first
+        with self._guard:
+            poller = self._lots.get(lot)
+            if poller is None:
+
+                def read() -> Lot:
+                    with self._lock(lot), self._connection() as connection:
+                        q, name, messages = peek_lot(connection, self.topology, logical)
+                    return Lot(q, name, tuple(messages))
+
+                # Errors are raised to the caller here, not kept: a page needs the lot.
+                poller = Poller(read, self.every, errors=())
+                self._lots[lot] = poller
+        return poller
+
+    def lot(self, queue: str) -> tuple[Lot, int | None]:
+        """Every message of `queue`'s lot in order, and when it was read (epoch ms).
+        Raises UnknownTargetError, MissingObjectError, BrokerUnavailable, AccessRefused."""
+        state = self._poller(queue).get()
+        assert state.value is not None
+        return state.value, state.read_at_ms
+
+    def parked_page(self, queue: str, offset: int, limit: int) -> tuple[ParkedPage, int | None]:
+        check_page(offset, limit)
+        lot, read_at = self.lot(queue)
+        chosen = lot.messages[offset : offset + limit]
+        return page(lot.queue, lot.parking_queue, len(lot.messages), offset, limit, chosen), read_at
+
+    def parked_detail(self, queue: str, message_id: str) -> tuple[str, int, list[ParkedDetail]]:
+        lot, _ = self.lot(queue)
+        return lot.parking_queue, len(lot.messages), find(lot.messages, message_id)
+
+    def forget(self, queue: str) -> None:
+        """The next look at `queue`'s lot reads it again (an action changed it)."""
+        _, lot = parking_lot(self.topology, queue)
+        with self._guard:
+            poller = self._lots.get(lot)
+        if poller is not None:
+            poller.invalidate()
+
+    # -- actions --------------------------------------------------------------------------
+
+    def replay(self, queue: str, *, message_id: str | None, tier: str | None) -> ReplayReport:
+        """`rabbit-delay replay QUEUE [--tier T]`, or of one message. Raises what
+        `replay_parked` raises before moving anything; a failure while moving is in the
+        report's `error`."""
+        _, lot = parking_lot(self.topology, queue)
+        try:
+            with self._lock(lot), self._connection() as connection:
+                report = replay_parked(
+                    connection, self.topology, queue, tier=tier, message_id=message_id
+                )
+        finally:
+            self.forget(queue)
+        log.info(
+            "replay from %s %s%s: %d moved to %s%s",
+            lot,
+            f"of message {message_id}" if message_id is not None else "of the whole lot",
+            f" through tier {tier}" if tier is not None else " now",
+            len(report.moved),
+            report.destination,
+            f"; stopped: {redact(report.error)}" if report.error else "",
+        )
+        return report
+
+    def purge(self, queue: str) -> tuple[str, int]:
+        """(parking-lot name, messages purged). Raises what `purge_parked` raises."""
+        _, lot = parking_lot(self.topology, queue)
+        try:
+            with self._lock(lot), self._connection() as connection:
+                purged = purge_parked(connection, self.topology, queue)
+        finally:
+            self.forget(queue)
+        log.info("purged %d message(s) from %s", purged, lot)
+        return lot, purged
+
+
+__all__ = ["NAME", "BrokerBackend", "Lot"]

@@ -1,0 +1,347 @@
+"""Replaying parked and unroutable messages: what is read, what is re-published. Pure.
+
+A parked message goes back to its business queue as a fresh first attempt: the
+parking headers and the broker's `x-death` record are dropped, `rd-attempt` is 1 again,
+and the due time, tier and target are those of the replay route (now, through the due
+exchange by the queue's unique key, or after a tier). Body, message_id, content type
+and every other header are kept, so the idempotency guard still recognises the message.
+
+A message in the catch-all goes on to where it was headed: a due message to its
+`rd-target` (a business queue key or binding key of the topology) through the due
+exchange; a message that was on its way to a parking lot back to that parking lot (a
+failed message is never turned into a live delivery by re-routing). Its headers are
+kept (only the broker's are dropped): it never reached a handler.
+
+The pika layer (`rabbit_delay._ops.replay.execute`) gets each message, publishes what this
+module built, and acks the original only once the copy is confirmed.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from rabbit_delay import _names as h
+from rabbit_delay._durations import iso_ms
+from rabbit_delay._envelope import BINARY, Outgoing, new_message_id, strip_broker_headers
+from rabbit_delay._errors import UnknownTargetError
+from rabbit_delay._publishing.core import PublisherCore
+from rabbit_delay._topology.delays import IMMEDIATE, Route, Router
+from rabbit_delay._topology.model import Topology
+
+# Written when a message is parked; meaningless once it is replayed.
+PARKING_HEADERS = (
+    h.H_ERROR_TYPE,
+    h.H_ERROR_MESSAGE,
+    h.H_ERROR_TRACEBACK,
+    h.H_ORIGINAL_QUEUE,
+    h.H_FIRST_FAILURE,
+    h.H_LAST_FAILURE,
+    h.H_PARK_REASON,
+)
+# Describe the previous trip; the replay route writes them anew (PublisherCore.outgoing).
+ROUTE_HEADERS = (h.H_DUE_AT, h.H_DELAY_MS, h.H_TIER, h.H_ATTEMPT, h.H_TARGET, h.H_PLUGIN_DELAY)
+
+
+def replay_headers(headers: Mapping[str, object]) -> dict[str, object]:
+    """The headers a replayed parked message keeps: all but the broker's, the parking
+    ones and those of its previous route."""
+    dropped = {*PARKING_HEADERS, *ROUTE_HEADERS}
+    return {k: v for k, v in strip_broker_headers(headers).items() if k not in dropped}
+
+
+def _text(value: object) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", errors="replace")
+    return str(value)
+
+
+def _int(value: object) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    text = _text(value)
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+def _epoch_ms(value: object) -> int | None:
+    """x-death `time`: a datetime from pika, epoch seconds from the management API."""
+    if isinstance(value, datetime):
+        aware = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+        return int(aware.timestamp() * 1000)
+    seconds = _int(value)
+    return None if seconds is None else seconds * 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """A message read from a parking lot or the catch-all (basic.get or management API)."""
+
+    body: bytes
+    message_id: str | None
+    content_type: str | None
+    headers: Mapping[str, object] = field(default_factory=dict)
+    exchange: str = ""  # the exchange it was last published (or dead-lettered) to
+    routing_key: str = ""
+    timestamp: int | None = None  # the AMQP `timestamp` property, seconds
+
+    @classmethod
+    def from_management(cls, item: Mapping[str, Any]) -> Stored:
+        """One entry of the management API's `POST /api/queues/{vhost}/{name}/get` answer."""
+        props: Mapping[str, Any] = item.get("properties") or {}
+        payload = item.get("payload") or ""
+        body = payload.encode()
+        if item.get("payload_encoding") == "base64":
+            try:
+                body = base64.b64decode(payload)
+            except (binascii.Error, ValueError):
+                body = b""
+        return cls(
+            body=body,
+            message_id=props.get("message_id"),
+            content_type=props.get("content_type"),
+            headers=props.get("headers") or {},
+            exchange=str(item.get("exchange") or ""),
+            routing_key=str(item.get("routing_key") or ""),
+            timestamp=_int(props.get("timestamp")),
+        )
+
+    def header(self, name: str) -> str | None:
+        return _text(self.headers.get(name))
+
+    @property
+    def first_death(self) -> Mapping[str, object] | None:
+        """The most recent x-death entry (the broker puts it first), if dead-lettered."""
+        deaths = self.headers.get("x-death")
+        if isinstance(deaths, list) and deaths and isinstance(deaths[0], Mapping):
+            return deaths[0]
+        return None
+
+    @property
+    def attempt(self) -> int | None:
+        return _int(self.headers.get(h.H_ATTEMPT))
+
+    @property
+    def target(self) -> str | None:
+        return self.header(h.H_TARGET)
+
+    @property
+    def parked_at_ms(self) -> int | None:
+        """When the worker parked it, else when the broker dead-lettered it."""
+        parked = self.last_failure_ms
+        if parked is not None:
+            return parked
+        death = self.first_death
+        return None if death is None else _epoch_ms(death.get("time"))
+
+    @property
+    def first_failure_ms(self) -> int | None:
+        """When its first attempt failed (the worker's rd-first-failure-at)."""
+        return _int(self.headers.get(h.H_FIRST_FAILURE))
+
+    @property
+    def last_failure_ms(self) -> int | None:
+        """When its last attempt failed (the worker's rd-last-failure-at)."""
+        return _int(self.headers.get(h.H_LAST_FAILURE))
+
+    @property
+    def queued_at_ms(self) -> int | None:
+        """When it entered the queue it was read from, as far as the message tells: the
+        broker's most recent dead-lettering (a cascade level receives a message from the
+        level above), else its AMQP `timestamp` (set by every rabbit-delay publish, in
+        whole seconds, so up to 1 s early). None when neither says."""
+        death = self.first_death
+        dead_lettered = None if death is None else _epoch_ms(death.get("time"))
+        if dead_lettered is not None:
+            return dead_lettered
+        return None if self.timestamp is None else self.timestamp * 1000
+
+    @property
+    def park_reason(self) -> str | None:
+        """rd-park-reason, or the broker's dead-letter reason (e.g. delivery_limit)."""
+        reason = self.header(h.H_PARK_REASON)
+        if reason is not None:
+            return reason
+        death = self.first_death
+        return None if death is None else _text(death.get("reason"))
+
+    def summary(self) -> dict[str, object]:
+        """What an operator needs to decide about this message (no body, no traceback)."""
+        return {
+            "message_id": self.message_id,
+            "error_type": self.header(h.H_ERROR_TYPE),
+            "error_message": self.header(h.H_ERROR_MESSAGE),
+            "attempts": self.attempt,
+            "park_reason": self.park_reason,
+            "parked_at": iso_ms(self.parked_at_ms),
+            "first_failure": iso_ms(self.first_failure_ms),
+            "last_failure": iso_ms(self.last_failure_ms),
+            "original_queue": self.header(h.H_ORIGINAL_QUEUE),
+            "target": self.target or self.routing_key or None,
+        }
+
+
+def resolve_queue(topology: Topology, queue: str) -> str:
+    """The logical queue name for `queue`, also given as its business or parking-lot name.
+
+    Raises UnknownTargetError when the topology has no such queue.
+    """
+    n = topology.names
+    if queue not in topology.queues:
+        try:
+            kind, detail = n.parse(queue)
+        except ValueError:
+            kind, detail = "", ""
+        if kind in ("q", "parking") and detail in topology.queues:
+            return detail
+        known = ", ".join(sorted(topology.queues))
+        raise UnknownTargetError(f"unknown queue {queue!r}; the topology {n.prefix!r} has: {known}")
+    return queue
+
+
+class ParkedReplay:
+    """Builds the copy of each message replayed from one queue's parking lot.
+
+    `tier=None` replays at once: to the due exchange with the queue's unique key, so
+    only this queue gets it (never every queue bound to a shared binding key). With a
+    tier, through that tier's buffer like `publish_delayed(queue=...)`: for a sharded
+    tier, the shard the message's id picks (`PublisherCore.outgoing`).
+
+    Raises UnknownTargetError for a queue outside the topology and DelayError for a
+    tier it does not have or the queue does not accept.
+    """
+
+    def __init__(self, topology: Topology, queue: str, tier: str | None = None) -> None:
+        self.topology = topology
+        self.queue = resolve_queue(topology, queue)
+        n = topology.names
+        self.parking_queue = n.parking_queue(self.queue)
+        self.business_queue = n.business_queue(self.queue)
+        key = n.queue_key(self.queue)
+        router = Router(topology)
+        self.route: Route = (
+            router.immediate(key) if tier is None else router.resolve(key, tier=tier)
+        )
+
+    @property
+    def destination(self) -> str:
+        when = "now" if self.route.tier == IMMEDIATE else f"after tier {self.route.tier}"
+        return f"{self.business_queue} ({when})"
+
+    def outgoing(self, msg: Stored, now_ms: int) -> Outgoing:
+        """The replayed copy: attempt 1, parking and broker headers dropped."""
+        return PublisherCore.outgoing(
+            self.route,
+            msg.body,
+            msg.content_type or BINARY,
+            now_ms,
+            msg.message_id or new_message_id(),
+            replay_headers(msg.headers),
+            attempt=1,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Reroute:
+    """Where a catch-all message goes: `outgoing`, reaching the business `queues`
+    (whose parking lots, when `to_parking`)."""
+
+    outgoing: Outgoing
+    queues: tuple[str, ...]
+    to_parking: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Leave:
+    """A catch-all message that stays where it is, and why."""
+
+    reason: str
+
+
+class UnroutableReplay:
+    """Decides where each catch-all message goes (see the module docstring).
+
+    `queue` limits the replay to messages headed for that queue (others are left).
+    Raises UnknownTargetError for a `queue` outside the topology.
+    """
+
+    def __init__(self, topology: Topology, queue: str | None = None) -> None:
+        self.topology = topology
+        self.router = Router(topology)
+        self.only = resolve_queue(topology, queue) if queue is not None else None
+        self.catch_all = topology.names.unroutable_queue()
+
+    def _parked_queue(self, msg: Stored) -> str | None:
+        """The business queue a message on its way to a parking lot was parked from."""
+        original = msg.header(h.H_ORIGINAL_QUEUE)
+        if original in self.topology.queues:
+            return original
+        n = self.topology.names
+        death = msg.first_death
+        candidates = [_text(death.get("queue")) if death else None, msg.routing_key]
+        for name in candidates:
+            try:
+                kind, detail = n.parse(name or "")
+            except ValueError:
+                continue
+            if kind == "q" and detail in self.topology.queues:
+                return detail
+        return None
+
+    def decide(self, msg: Stored, now_ms: int) -> Reroute | Leave:
+        n = self.topology.names
+        headers = strip_broker_headers(msg.headers)
+        if msg.exchange == n.parking_exchange():
+            queue = self._parked_queue(msg)
+            if queue is None:
+                return Leave(f"parked for a queue not in the topology ({msg.routing_key!r})")
+            if self.only is not None and queue != self.only:
+                return Leave(f"headed for the parking lot of {queue!r}")
+            exchange, key, to_parking = n.parking_exchange(), n.queue_key(queue), True
+            queues: tuple[str, ...] = (queue,)
+        else:
+            key = msg.target or msg.routing_key
+            try:
+                self.router.target_key(None, key)
+            except UnknownTargetError:
+                return Leave(f"target {key!r} is not in the topology {n.prefix!r}")
+            queues = self.router.queues_for_key(key)
+            if self.only is not None and self.only not in queues:
+                return Leave(f"target {key!r} is not queue {self.only!r}")
+            exchange, to_parking = n.due_exchange(), False
+        out = Outgoing(
+            exchange=exchange,
+            routing_key=key,
+            body=msg.body,
+            message_id=msg.message_id or new_message_id(),
+            content_type=msg.content_type or BINARY,
+            headers=headers,
+            mandatory=True,
+            timestamp=msg.timestamp if msg.timestamp is not None else now_ms // 1000,
+        )
+        return Reroute(out, queues, to_parking)
+
+
+__all__ = [
+    "IMMEDIATE",
+    "PARKING_HEADERS",
+    "ROUTE_HEADERS",
+    "Leave",
+    "ParkedReplay",
+    "Reroute",
+    "Stored",
+    "UnroutableReplay",
+    "iso_ms",
+    "replay_headers",
+    "resolve_queue",
+]

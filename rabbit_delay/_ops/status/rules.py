@@ -1,0 +1,389 @@
+"""What `rabbit-delay status` shows, and what needs a human. Pure: counts are passed in.
+
+One row per queue of the topology (tier buffers, cascade levels, business queues,
+parking lots, the catch-all), flagged by the attention rules below, with a hint for
+each flag. The CLI renders a `Status` as a table or JSON; a dashboard renders the same
+object (`rabbit_delay._ops.status.execute.read_status` reads the broker and builds it).
+
+What needs attention (`Status.attention`, exit 3 under `status --check`):
+  - an object of the topology the broker does not have (a queue or an exchange);
+  - a parking lot or the catch-all that holds messages;
+  - a tier buffer or cascade level with consumers (a bug: they take messages early);
+  - a buffer whose oldest message is older than its TTL plus a margin: stuck;
+  - a quorum queue with less than a majority of its members online.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
+
+from rabbit_delay._durations import format_ms, iso_ms
+from rabbit_delay._io.management import QueueStats
+from rabbit_delay._plan.plan import desired
+from rabbit_delay._topology.model import Topology
+
+
+class LiveCounts(Protocol):
+    """What a passive queue.declare tells (`rabbit_delay._ops.replay.execute.PassiveCounts`)."""
+
+    @property
+    def ready(self) -> int: ...
+
+    @property
+    def consumers(self) -> int: ...
+
+
+class Role(StrEnum):
+    BUFFER = "tier buffer"
+    CASCADE = "cascade level"
+    BUSINESS = "business"
+    PARKING = "parking lot"
+    CATCH_ALL = "catch-all"
+
+
+_ROLE_OF_KIND = {
+    "delay": Role.BUFFER,
+    "cascade": Role.CASCADE,
+    "q": Role.BUSINESS,
+    "parking": Role.PARKING,
+    "unroutable": Role.CATCH_ALL,
+}
+_ORDER = list(Role)
+# Queues whose messages wait for a human.
+HUMAN_ROLES = (Role.PARKING, Role.CATCH_ALL)
+# Queues that must never have consumers: they hold messages until their TTL expires.
+BUFFER_ROLES = (Role.BUFFER, Role.CASCADE)
+
+# A buffer is stuck when its oldest message has been in it longer than its TTL plus
+# this margin (or a tenth of the TTL, when longer): a burst of thousands of messages due
+# at once legitimately drains over a few seconds, the age read from a message's AMQP
+# `timestamp` is whole seconds, and the management API samples every 5 s.
+STUCK_MARGIN_MS = 10_000
+
+
+def stuck_after_ms(ttl_ms: int) -> int:
+    """The age past which a buffer with this TTL counts as stuck."""
+    return ttl_ms + max(STUCK_MARGIN_MS, ttl_ms // 10)
+
+
+# Where the age of a buffer's oldest message came from.
+AGE_FROM_PEEK = "peek"  # basic.get + requeue of the head: its x-death time or timestamp
+AGE_FROM_API = "management API"  # head_message_timestamp (classic queues only)
+
+DECLARE_HINT = "run `rabbit-delay declare` to create them"
+
+
+@dataclass
+class QueueRow:
+    role: Role
+    name: str
+    ttl_ms: int | None
+    exists: bool
+    ready: int | None
+    unacked: int | None
+    consumers: int | None
+    # Where a quorum queue's replicas are, as the management API says (None: not told).
+    leader: str | None = None
+    members: tuple[str, ...] | None = None
+    online: tuple[str, ...] | None = None
+    # Dead-lettered by this quorum queue, not yet confirmed by the target (management API).
+    dead_lettering: int | None = None
+    # Buffers: how long the oldest message has been in the queue (None: empty, or the
+    # broker cannot tell), and from where that is known.
+    oldest_age_ms: int | None = None
+    age_source: str | None = None
+    notes: list[str] = field(default_factory=list)
+    # One line per flag: what to do about it.
+    hints: list[str] = field(default_factory=list)
+    attention: bool = False
+
+    @property
+    def offline(self) -> tuple[str, ...]:
+        """Members the API does not list as online (none when it does not say)."""
+        if self.members is None or self.online is None:
+            return ()
+        return tuple(m for m in self.members if m not in self.online)
+
+    @property
+    def majority_lost(self) -> bool:
+        """A quorum queue with fewer than a majority of its members online: it accepts,
+        dead-letters and delivers nothing until enough of them are back."""
+        if not self.members or self.online is None:
+            return False
+        return len(self.members) - len(self.offline) < len(self.members) // 2 + 1
+
+    @property
+    def stuck(self) -> bool:
+        """A buffer whose oldest message has outstayed its TTL (plus the margin)."""
+        if self.role not in BUFFER_ROLES or self.ttl_ms is None or self.oldest_age_ms is None:
+            return False
+        return self.oldest_age_ms > stuck_after_ms(self.ttl_ms)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "role": self.role.value,
+            "name": self.name,
+            "ttl": format_ms(self.ttl_ms) if self.ttl_ms is not None else None,
+            "ttl_ms": self.ttl_ms,
+            "exists": self.exists,
+            "ready": self.ready,
+            "unacked": self.unacked,
+            "consumers": self.consumers,
+            "leader": self.leader,
+            "members": list(self.members) if self.members is not None else None,
+            "online": list(self.online) if self.online is not None else None,
+            "dead_lettering": self.dead_lettering,
+            "oldest_age_ms": self.oldest_age_ms,
+            "oldest_age": format_ms(self.oldest_age_ms) if self.oldest_age_ms is not None else None,
+            "age_source": self.age_source,
+            "stuck": self.stuck,
+            "attention": self.attention,
+            "notes": self.notes,
+            "hints": self.hints,
+        }
+
+
+def status_rows(
+    topology: Topology,
+    live: Mapping[str, LiveCounts | None] | None,
+    api: Mapping[str, QueueStats] | None,
+    *,
+    heads: Mapping[str, int | None] | None = None,
+    now_ms: int = 0,
+) -> list[QueueRow]:
+    """One row per queue of the topology, flagged.
+
+    `live` (passive declares) gives ready messages and consumers as they are now; `api`
+    (management API, sampled) adds unacked messages and each quorum queue's leader,
+    members and online members, and stands in when `live` is None. `heads` gives, per
+    buffer whose head was peeked, when that oldest message entered it (epoch ms, None
+    when the message does not say); without a peek a classic buffer's age comes from
+    the API's `head_message_timestamp`. Ages count to `now_ms`.
+    """
+    rows: list[QueueRow] = []
+    for spec in desired(topology).queues:
+        kind, _ = topology.names.parse(spec.name)
+        role = _ROLE_OF_KIND[kind]
+        ttl = spec.arguments.get("x-message-ttl")
+        stats = api.get(spec.name) if api is not None else None
+        if live is not None:
+            counts = live.get(spec.name)
+            exists = counts is not None
+            ready = counts.ready if counts is not None else None
+            consumers = counts.consumers if counts is not None else None
+        else:
+            exists = stats is not None
+            ready = stats.ready if stats is not None else None
+            consumers = stats.consumers if stats is not None else None
+        row = QueueRow(
+            role,
+            spec.name,
+            ttl if isinstance(ttl, int) else None,
+            exists,
+            ready,
+            stats.unacked if stats is not None else None,
+            consumers,
+            stats.leader if stats is not None else None,
+            stats.members if stats is not None else None,
+            stats.online if stats is not None else None,
+            stats.dead_lettering if stats is not None else None,
+        )
+        if role in BUFFER_ROLES and exists and ready:
+            _age(row, heads, stats, now_ms)
+        _flag(topology, row)
+        rows.append(row)
+    rows.sort(key=lambda r: _ORDER.index(r.role))  # stable: tiers keep the topology's order
+    return rows
+
+
+def _age(
+    row: QueueRow, heads: Mapping[str, int | None] | None, stats: QueueStats | None, now: int
+) -> None:
+    queued: int | None = None
+    if heads is not None and row.name in heads:
+        queued, row.age_source = heads[row.name], AGE_FROM_PEEK
+    elif row.role is Role.BUFFER and stats is not None and stats.head_timestamp is not None:
+        # Not for cascade levels: a message reaches a lower level long after it was
+        # published, and the timestamp is the publish time.
+        queued, row.age_source = stats.head_timestamp * 1000, AGE_FROM_API
+    if queued is None:
+        row.age_source = None
+        return
+    row.oldest_age_ms = max(0, now - queued)
+
+
+def _flag(topology: Topology, row: QueueRow) -> None:
+    def needs(note: str, hint: str) -> None:
+        row.attention = True
+        row.notes.append(note)
+        row.hints.append(hint)
+
+    if not row.exists:
+        needs("missing: run `rabbit-delay declare`", DECLARE_HINT)
+        return
+    held = (row.ready or 0) + (row.unacked or 0)
+    if row.role in HUMAN_ROLES and held:
+        if row.role is Role.CATCH_ALL:
+            hint = "due messages that matched no queue; see `rabbit-delay replay --unroutable`"
+        else:
+            _, queue = topology.names.parse(row.name)
+            hint = (
+                f"parked messages; see `rabbit-delay parked list {queue}` and "
+                f"`rabbit-delay replay {queue} --dry-run`"
+            )
+        needs(f"{held} message(s) need a human", hint)
+    if row.role in BUFFER_ROLES and row.consumers:
+        needs(
+            f"BUG: {row.consumers} consumer(s) on a delay buffer",
+            "a consumer on a delay buffer takes messages before they are due; find it with "
+            "`rabbitmqctl list_consumers` and stop it",
+        )
+    if row.stuck:
+        age, ttl = row.oldest_age_ms or 0, row.ttl_ms or 0
+        over = format_ms(age - ttl)
+        needs(
+            f"stuck: oldest message {format_ms(age)} old, TTL {format_ms(ttl)}",
+            f"its oldest message should have been dead-lettered {over} ago: check that its "
+            "dead-letter exchange exists (`rabbit-delay plan`) and the broker's log (a quorum "
+            "queue whose messages do not expire: rabbitmq-server issue #10718)",
+        )
+    if row.dead_lettering:
+        row.notes.append(
+            f"{row.dead_lettering} dead-lettered, not yet confirmed by their destination"
+        )
+    if row.majority_lost:
+        online = len(row.members or ()) - len(row.offline)
+        needs(
+            f"no majority: {online} of {len(row.members or ())} members online, "
+            f"offline: {', '.join(row.offline)}",
+            "a quorum queue needs a majority of its members online: start the stopped "
+            "node(s) (`rabbitmqctl cluster_status` lists them); no message is lost meanwhile",
+        )
+    elif row.offline:
+        row.notes.append(f"offline: {', '.join(row.offline)}")
+    elif row.members and row.leader is None:
+        row.notes.append("no leader reported")
+
+
+def shows_placement(rows: list[QueueRow]) -> bool:
+    """Whether the table gets the leader and members columns: only when the management
+    API names more than one node (a cluster), so a single node's table stays as it was."""
+    nodes = {row.leader for row in rows if row.leader is not None}
+    for row in rows:
+        nodes.update(row.members or ())
+    return len(nodes) > 1
+
+
+def placement_cells(row: QueueRow) -> tuple[str, str]:
+    """The leader and members cells of a row: `rabbit@b`, `2/3 online`; `?` where the
+    API did not say (a classic queue, or no API), `none` for a queue without a leader."""
+    if row.members is None:
+        return ("?" if row.leader is None else row.leader), "?"
+    leader = row.leader if row.leader is not None else "none"
+    if row.online is None:
+        return leader, str(len(row.members))
+    return leader, f"{len(row.members) - len(row.offline)}/{len(row.members)} online"
+
+
+def oldest_cell(row: QueueRow) -> str:
+    """The age of a buffer's oldest message: `4s`, `?` for a non-empty buffer whose age
+    the broker cannot tell, empty for other queues and empty buffers."""
+    if row.role not in BUFFER_ROLES or not row.exists or not row.ready:
+        return ""
+    return "?" if row.oldest_age_ms is None else format_ms(row.oldest_age_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class PluginStore:
+    """The delayed-message plugin's store: messages its exchange holds (None: the
+    management API did not say, or was not used)."""
+
+    exchange: str
+    delayed: int | None
+
+    def as_json(self) -> dict[str, Any]:
+        return {"exchange": self.exchange, "delayed": self.delayed}
+
+
+@dataclass(frozen=True, slots=True)
+class Attention:
+    """One line of what needs a human: what, and what to do."""
+
+    subject: str
+    hint: str
+
+
+@dataclass
+class Status:
+    """Everything `status` says about one topology on one broker."""
+
+    namespace: str
+    broker: str  # the URL of the node that answered (redact it before showing it)
+    broker_version: str | None
+    broker_description: str | None  # 'RabbitMQ 4.3.6 (cluster ..., Erlang/OTP ...)'
+    checked_at_ms: int
+    rows: list[QueueRow]
+    # Exchanges of the topology the broker does not have (None: not checked).
+    missing_exchanges: tuple[str, ...] | None
+    plugin: PluginStore | None
+    sources: dict[str, str | None]
+    management_api: str  # "ok", or why it was not used
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def attention(self) -> bool:
+        return bool(self.missing_exchanges) or any(r.attention for r in self.rows)
+
+    def attention_items(self) -> list[Attention]:
+        """What needs a human, one line each; missing objects in one line."""
+        missing = [f"queue {r.name}" for r in self.rows if not r.exists]
+        missing += [f"exchange {name}" for name in self.missing_exchanges or ()]
+        items = [Attention("missing " + ", ".join(missing), DECLARE_HINT)] if missing else []
+        for row in self.rows:
+            if row.exists:
+                items += [Attention(row.name, hint) for hint in row.hints]
+        return items
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "namespace": self.namespace,
+            "broker": self.broker,
+            "broker_version": self.broker_version,
+            "broker_description": self.broker_description,
+            "checked_at": iso_ms(self.checked_at_ms),
+            "sources": self.sources,
+            "management_api": self.management_api,
+            "attention": self.attention,
+            "attention_items": [
+                {"subject": item.subject, "hint": item.hint} for item in self.attention_items()
+            ],
+            "missing_exchanges": (
+                list(self.missing_exchanges) if self.missing_exchanges is not None else None
+            ),
+            "plugin_store": self.plugin.as_json() if self.plugin is not None else None,
+            "notes": self.notes,
+            "queues": [r.as_json() for r in self.rows],
+        }
+
+
+__all__ = [
+    "AGE_FROM_API",
+    "AGE_FROM_PEEK",
+    "BUFFER_ROLES",
+    "HUMAN_ROLES",
+    "STUCK_MARGIN_MS",
+    "Attention",
+    "LiveCounts",
+    "PluginStore",
+    "QueueRow",
+    "Role",
+    "Status",
+    "oldest_cell",
+    "placement_cells",
+    "shows_placement",
+    "status_rows",
+    "stuck_after_ms",
+]

@@ -1,0 +1,389 @@
+"""The publisher logic both transports share: the arguments, validation, routing and
+encoding of a publish, the options and lifecycle rules of a publisher, how a call ends
+(its ids, or the one error naming exactly the ids concerned) and the metrics. No I/O.
+
+The ledger of confirms, the recovery deadline and the blocked rule are in
+`rabbit_delay._publishing.confirms`; `sync/publisher.py` (pika) and `aio/publisher.py` (aio-pika)
+only send, wait and reconnect as told.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Generic, TypedDict, TypeVar
+
+from rabbit_delay import _names as h
+from rabbit_delay._connection import ConnectionSettings
+from rabbit_delay._durations import DurationLike, format_ms, iso, parse_ms
+from rabbit_delay._envelope import (
+    Body,
+    Outgoing,
+    check_message_id,
+    encode_body,
+    new_message_id,
+    now_ms,
+)
+from rabbit_delay._errors import ConfigError, DelayError, DurationError, RabbitDelayError
+from rabbit_delay._observe import tracing
+from rabbit_delay._publishing.confirms import (
+    DEFAULT_BLOCKED_TIMEOUT_S,
+    DEFAULT_RECOVERY_TIMEOUT_S,
+    WORKER_BLOCKED_TIMEOUT_S,
+    Ledger,
+    Recovery,
+    State,
+    confirm_failure,
+    log_lost,
+    recoverable,
+    seconds,
+)
+from rabbit_delay._topology.delays import Route, Router
+from rabbit_delay._topology.model import Topology
+
+if TYPE_CHECKING:
+    from rabbit_delay._observe.metrics import Metrics
+
+__all__ = [
+    "BLOCKED_BACKSTOP_S",
+    "DEFAULT_WINDOW",
+    "WORKER_BLOCKED_TIMEOUT_S",
+    "DelayLike",
+    "PublisherCore",
+    "PublisherOptions",
+    "URLs",
+    "confirm_failure",
+]
+
+DelayLike = timedelta | int | float
+DEFAULT_WINDOW = 256
+# pika closes a connection blocked this much longer than the publisher's blocked_timeout:
+# a backstop for a wait that cannot end by itself (a socket buffer full of unread data).
+BLOCKED_BACKSTOP_S = 2.0
+URLs = str | Sequence[str]
+# What a call returns: the ids themselves (pika), or a coroutine of them (aio-pika).
+OneT = TypeVar("OneT")
+ManyT = TypeVar("ManyT")
+
+
+class PublisherOptions(TypedDict, total=False):
+    """The keyword options of both publishers (`__init__` and `connect`); see
+    docs/publishing.md."""
+
+    settings: ConnectionSettings | None
+    window: int
+    metrics: Metrics | None
+    recovery_timeout: DurationLike
+    blocked_timeout: DurationLike | None
+
+
+class PublisherCore(Generic[OneT, ManyT]):
+    """What both publishers decide: options, `publish_delayed` / `publish_many` (their
+    arguments turned into `Outgoing` messages, or refused), how a call ends, metrics.
+
+    The sync and async publishers inherit this and only implement `publish_outgoing`
+    (send and wait, reconnect) and `_publish_one`: `PublisherCore[str, list[str]]` for
+    pika, `PublisherCore[Coroutine[..., str], Coroutine[..., list[str]]]` for aio-pika,
+    whose calls are then awaited.
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        url: URLs | None = None,
+        *,
+        borrowed: bool = False,
+        settings: ConnectionSettings | None = None,
+        window: int = DEFAULT_WINDOW,
+        metrics: Metrics | None = None,
+        recovery_timeout: DurationLike = DEFAULT_RECOVERY_TIMEOUT_S,
+        blocked_timeout: DurationLike | None = None,
+    ) -> None:
+        if borrowed and url is not None:
+            raise ConfigError(
+                "give either a url (the publisher opens and owns its connection) or "
+                "connection= (it publishes on yours), not both"
+            )
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ConfigError(f"window must be a whole number of at least 1, got {window!r}")
+        self.topology = topology
+        self.router = Router(topology)
+        self.metrics = metrics
+        self.url = url
+        self.settings = settings
+        self.window = window
+        # A borrowed connection is its owner's to reconnect: the publisher only raises.
+        self.owns_connection = not borrowed
+        self._url_in_use: str | None = None  # the node its own connection is open to
+        self.recovery_timeout_s = seconds(recovery_timeout, "recovery_timeout")
+        if blocked_timeout is None:
+            blocked_timeout = (
+                settings.blocked_timeout_s if settings is not None else DEFAULT_BLOCKED_TIMEOUT_S
+            )
+        self.blocked_timeout_s = seconds(blocked_timeout, "blocked_timeout")
+
+    # -- one call --------------------------------------------------------------------------
+
+    def now(self) -> int:
+        """The publisher's clock (UTC epoch ms): what `rd-due-at` counts from and `at=`
+        is measured against. The wall clock; rabbit_delay.testing's publishers read its
+        virtual clock instead."""
+        return now_ms()
+
+    @property
+    def connected_url(self) -> str | None:
+        """The URL of the node this publisher's own connection is open to (after a
+        failover, the node it moved to); None before it connected, or on a borrowed
+        connection. Contains the password: redact it before showing it."""
+        return self._url_in_use
+
+    def ledger(self, messages: Iterable[Outgoing]) -> Ledger:
+        """The ledger of one call. Where the application uses OpenTelemetry, the call's
+        publish span starts here and its trace context goes into every message that
+        carries none yet (rabbit_delay._observe.tracing)."""
+        outs = list(messages)
+        span = None
+        tracer = tracing.active()
+        if tracer is not None and outs:
+            outs, span = tracer.start_publish(outs)
+        ledger = Ledger(outs)
+        ledger.trace = span
+        return ledger
+
+    def recovery(self) -> Recovery:
+        backoff = (self.settings or ConnectionSettings()).backoff
+        return Recovery(self.recovery_timeout_s, backoff.delays)
+
+    def after_loss(
+        self, ledger: Ledger, recovery: Recovery | None, error: RabbitDelayError
+    ) -> Recovery:
+        """A call met `error`. Raise it unless it is a loss this publisher recovers from
+        (a lost or unreachable broker, on a connection it owns); else every
+        sent-unconfirmed message is to be sent again, and the outage (deadline, backoff)
+        is returned for the transport to reconnect by."""
+        if not (self.owns_connection and recoverable(error)):
+            raise error
+        ledger.channel_lost()
+        recovery = recovery if recovery is not None else self.recovery()
+        recovery.lost(time.monotonic(), ledger.confirmed)
+        log_lost(error, ledger, recovery)
+        return recovery
+
+    def finish(self, ledger: Ledger, error: RabbitDelayError | None = None) -> list[str]:
+        """The end of a call: its ids once every message is confirmed; else the one
+        error (UnroutableError / NackError / UnconfirmedError / BrokerBlocked naming
+        exactly the ids concerned, or a refusal such as AccessRefused), counted in the
+        metrics either way."""
+        failure = self.settle(ledger, error)
+        if failure is not None:
+            raise failure
+        return [o.message_id for o in ledger.outs]
+
+    def settle(
+        self, ledger: Ledger, error: RabbitDelayError | None = None
+    ) -> RabbitDelayError | None:
+        """The error a call ends with (None: every message confirmed), counted in the
+        metrics; `finish` raises it, a caller settling each message by its state in
+        `ledger` (the outbox relay) reads it."""
+        failure = ledger.failure() if error is None else ledger.error_for(error)
+        self.record(ledger, failure)
+        if ledger.trace is not None:
+            tracing.end_publish(ledger.trace, ledger, failure)
+        return failure
+
+    def record(self, ledger: Ledger, error: RabbitDelayError | None = None) -> None:
+        """Count a call in the metrics, by target and tier: confirmed messages as
+        published, every other one as failed with `error`. A no-op without metrics."""
+        metrics = self.metrics
+        if metrics is None:
+            return
+        sent: Counter[tuple[str, str]] = Counter()
+        for out, state in zip(ledger.outs, ledger.states, strict=True):
+            target = str(out.headers[h.H_TARGET])
+            if state is State.CONFIRMED or error is None:
+                sent[(target, str(out.headers[h.H_TIER]))] += 1
+            else:
+                metrics.publish_error(target, error)
+        for (target, tier), count in sent.items():
+            metrics.published(target, tier, count)
+
+    # -- the public calls: arguments handled here, sending by the transport ---------------
+
+    def publish_outgoing(self, messages: Iterable[Outgoing]) -> ManyT:
+        """Publish prepared messages with up to `window` unconfirmed at once; the ids
+        once every one is confirmed.
+
+        Raises UnroutableError / NackError naming exactly the returned / nacked ids (the
+        others were confirmed); UnconfirmedError (or BrokerBlocked) naming exactly the
+        ids with no confirm; AccessRefused (403), MissingObjectError (404).
+        """
+        raise NotImplementedError
+
+    def _publish_one(self, out: Outgoing) -> OneT:
+        raise NotImplementedError
+
+    def publish_delayed(
+        self,
+        msg: Body,
+        tier: str | None = None,
+        *,
+        queue: str | None = None,
+        routing_key: str | None = None,
+        delay: DelayLike | None = None,
+        at: datetime | None = None,
+        message_id: str | None = None,
+        headers: Mapping[str, object] | None = None,
+    ) -> OneT:
+        """Publish one message due after `tier` (or `delay`, or at `at`); its message_id
+        once the broker confirmed it.
+
+        Raises DelayError / UnknownTargetError / EncodeError when called, before anything
+        is sent; otherwise what publish_outgoing raises.
+        """
+        out = self.prepare(
+            msg,
+            tier,
+            queue=queue,
+            routing_key=routing_key,
+            delay=delay,
+            at=at,
+            message_id=message_id,
+            headers=headers,
+        )
+        return self._publish_one(out)
+
+    def publish_many(
+        self,
+        messages: Iterable[Body],
+        tier: str | None = None,
+        *,
+        queue: str | None = None,
+        routing_key: str | None = None,
+        delay: DelayLike | None = None,
+        at: datetime | None = None,
+    ) -> ManyT:
+        """Publish many messages to one target and delay, confirms pipelined; the ids in
+        order. Every message is validated and encoded when called, before the first is
+        sent; otherwise what publish_outgoing raises."""
+        prepared = self.prepare_many(
+            messages, tier, queue=queue, routing_key=routing_key, delay=delay, at=at
+        )
+        return self.publish_outgoing(prepared)
+
+    # -- validating and encoding -----------------------------------------------------------
+
+    def prepare_many(
+        self,
+        messages: Iterable[Body],
+        tier: str | None = None,
+        *,
+        queue: str | None = None,
+        routing_key: str | None = None,
+        delay: DelayLike | None = None,
+        at: datetime | None = None,
+    ) -> list[Outgoing]:
+        """Validate and encode every message (one target and delay) before any is sent."""
+        now = self.now()
+        route = self.route(tier, queue=queue, routing_key=routing_key, delay=delay, at=at, now=now)
+        return [self.outgoing(route, *encode_body(m), now) for m in messages]
+
+    def route(
+        self,
+        tier: str | None = None,
+        *,
+        queue: str | None = None,
+        routing_key: str | None = None,
+        delay: DelayLike | None = None,
+        at: datetime | None = None,
+        now: int | None = None,
+    ) -> Route:
+        key = self.router.target_key(queue, routing_key)
+        delay_ms: int | None = None
+        if at is not None:
+            if delay is not None:
+                raise DelayError("give either delay= or at=, not both")
+            if at.tzinfo is None or at.utcoffset() is None:
+                raise DelayError(
+                    f"at={at.isoformat(timespec='milliseconds')} has no timezone; pass an "
+                    "aware datetime, e.g. datetime.now(UTC) + ..."
+                )
+            delay_ms = int(at.timestamp() * 1000) - (now if now is not None else self.now())
+            if delay_ms <= 0:
+                raise DelayError(
+                    f"at={iso(at)} is {format_ms(-delay_ms)} in the past; a delayed "
+                    "message must be due later"
+                )
+        elif delay is not None:
+            try:
+                delay_ms = parse_ms(delay)
+            except DurationError as exc:
+                raise DelayError(str(exc)) from None
+        return self.router.resolve(key, tier=tier, delay_ms=delay_ms)
+
+    def prepare(
+        self,
+        msg: Body,
+        tier: str | None = None,
+        *,
+        queue: str | None = None,
+        routing_key: str | None = None,
+        delay: DelayLike | None = None,
+        at: datetime | None = None,
+        message_id: str | None = None,
+        headers: Mapping[str, object] | None = None,
+        attempt: int = 1,
+    ) -> Outgoing:
+        """Validate and encode one message. Raises a PublishError subclass on bad input."""
+        now = self.now()
+        route = self.route(tier, queue=queue, routing_key=routing_key, delay=delay, at=at, now=now)
+        body, content_type = encode_body(msg)
+        return self.outgoing(route, body, content_type, now, message_id, headers, attempt)
+
+    @staticmethod
+    def outgoing(
+        route: Route,
+        body: bytes,
+        content_type: str,
+        now: int,
+        message_id: str | None = None,
+        headers: Mapping[str, object] | None = None,
+        attempt: int = 1,
+        due_at: int | None = None,
+        requested_ms: int | None = None,
+    ) -> Outgoing:
+        """The message to send on `route`. `due_at` keeps a due time fixed earlier (a
+        moved pending message, a relayed outbox row; default: now + the route's delay),
+        `requested_ms` the delay first asked for (default: the route's).
+
+        `rd-asked-due-at` is the due time asked for: now + the delay asked (before the
+        cascade rounds it up); with a fixed `due_at`, the one its headers carry (the
+        first publish's), else `due_at` itself."""
+        all_headers: dict[str, object] = dict(headers) if headers else {}
+        all_headers.update(route.headers)
+        if due_at is None:
+            all_headers[h.H_DUE_AT] = now + route.delay_ms
+            all_headers[h.H_ASKED_DUE_AT] = now + route.asked_delay_ms
+        else:
+            all_headers[h.H_DUE_AT] = due_at
+            carried = all_headers.get(h.H_ASKED_DUE_AT)
+            if isinstance(carried, int) and not isinstance(carried, bool) and carried <= due_at:
+                all_headers[h.H_ASKED_DUE_AT] = int(carried)  # pika's `long` subclass, as int
+            else:
+                all_headers[h.H_ASKED_DUE_AT] = due_at
+        all_headers[h.H_DELAY_MS] = requested_ms if requested_ms is not None else route.delay_ms
+        all_headers[h.H_TIER] = route.tier
+        all_headers[h.H_ATTEMPT] = attempt
+        all_headers[h.H_TARGET] = route.target
+        message_id = check_message_id(message_id) if message_id is not None else new_message_id()
+        return Outgoing(
+            exchange=route.exchange_for(message_id),  # a sharded tier: the id's shard
+            routing_key=route.routing_key,
+            body=body,
+            message_id=message_id,
+            content_type=content_type,
+            headers=all_headers,
+            mandatory=route.mandatory,
+            timestamp=now // 1000,
+        )

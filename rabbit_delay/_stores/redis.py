@@ -1,0 +1,465 @@
+"""Redis store (optional extra `redis`): shared by every worker that reaches the server.
+
+Each operation is one Lua script, so a read-decide-write is atomic on the server and
+costs one round trip; the batch operations send their scripts in one pipeline. Records
+are strings `<kind>|<expires_at_ms>|<owner>` (kind `c` claim, `d` done, `x` tombstone).
+
+Expiry follows the server's clock (`TIME`), not the caller's: the workers of several
+hosts share one clock, so a host whose clock runs ahead cannot take over a live lease.
+The `now_ms` arguments are accepted for the protocol and ignored. Every key carries a
+Redis TTL so the server drops it on its own (no purge needed): a done-record or
+tombstone lives exactly its retention; a claim lives twice its lease, so that a late
+`renew` of a lease nobody took over still finds it (to the other owners, the claim has
+expired at the end of its lease all the same).
+
+`redis` is imported when a store is created, so this module loads without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from rabbit_delay._errors import ConfigError
+from rabbit_delay._idempotency.guard import DEFAULT_PREFIX, ClaimItem, ClaimResult, FinishItem
+
+if TYPE_CHECKING:
+    import redis
+    import redis.asyncio
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+# Every script starts here: `now` in epoch ms by the server's clock. Before Redis 5 a
+# script that read TIME could not write unless it asked for effects replication.
+_NOW = """
+if redis.replicate_commands then redis.replicate_commands() end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function record(kind, ms, owner)
+  return kind .. '|' .. string.format('%d', now + tonumber(ms)) .. '|' .. owner
+end
+"""
+
+# KEYS[1]; ARGV: owner, lease ms, key TTL ms. Returns an index into _RESULTS.
+_CLAIM = (
+    _NOW
+    + """
+local v = redis.call('GET', KEYS[1])
+if v then
+  local kind, exp, holder = string.match(v, '^(%a)|(%-?%d+)|(.*)$')
+  if not kind then
+    return redis.error_reply('rabbit-delay: not an idempotency record: ' .. KEYS[1])
+  end
+  if tonumber(exp) > now then
+    if kind == 'd' then return 1 end
+    if kind == 'x' then return 3 end
+    if holder ~= ARGV[1] then return 2 end
+  end
+end
+redis.call('SET', KEYS[1], record('c', ARGV[2], ARGV[1]), 'PX', ARGV[3])
+return 0
+"""
+)
+_RESULTS = (
+    ClaimResult.CLAIMED,
+    ClaimResult.DONE,
+    ClaimResult.IN_PROGRESS,
+    ClaimResult.CANCELLED,
+)
+
+# KEYS[1]; ARGV: owner, lease ms, key TTL ms. Only a claim by this owner, expired or
+# not; never creates a record. Returns 1 when renewed.
+_RENEW = (
+    _NOW
+    + """
+local v = redis.call('GET', KEYS[1])
+if not v then return 0 end
+local kind, holder = string.match(v, '^(%a)|%-?%d+|(.*)$')
+if kind ~= 'c' or holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], record('c', ARGV[2], ARGV[1]), 'PX', ARGV[3])
+return 1
+"""
+)
+
+# KEYS[1]; ARGV: owner, retention ms. A live done-record or tombstone stays.
+_COMPLETE = (
+    _NOW
+    + """
+local v = redis.call('GET', KEYS[1])
+if v then
+  local kind, exp = string.match(v, '^(%a)|(%-?%d+)|')
+  if kind and kind ~= 'c' and tonumber(exp) > now then return 0 end
+end
+redis.call('SET', KEYS[1], record('d', ARGV[2], ARGV[1]), 'PX', ARGV[2])
+return 1
+"""
+)
+
+# KEYS[1]; ARGV: owner. Only the claim's holder may drop it. No clock needed.
+_RELEASE = """
+local v = redis.call('GET', KEYS[1])
+if v then
+  local kind, holder = string.match(v, '^(%a)|%-?%d+|(.*)$')
+  if kind == 'c' and holder == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+end
+return 0
+"""
+
+# KEYS[1]; ARGV: retention ms. Never shortens a tombstone.
+_CANCEL = (
+    _NOW
+    + """
+local v = redis.call('GET', KEYS[1])
+if v then
+  local kind, exp = string.match(v, '^(%a)|(%-?%d+)|')
+  if kind == 'x' and tonumber(exp) >= now + tonumber(ARGV[1]) then return 0 end
+end
+redis.call('SET', KEYS[1], record('x', ARGV[1], ''), 'PX', ARGV[1])
+return 1
+"""
+)
+
+# KEYS: a SCAN batch. Deletes the records expired by the server's clock that the TTL
+# has not dropped yet (claims within their grace, records written by a version that
+# followed the caller's clock). pcall: a key of another type under the prefix is
+# skipped, not an error.
+_PURGE = (
+    _NOW
+    + """
+local n = 0
+for _, k in ipairs(KEYS) do
+  local v = redis.pcall('GET', k)
+  if type(v) == 'string' then
+    local exp = string.match(v, '^%a|(%-?%d+)|')
+    if exp and tonumber(exp) <= now then n = n + redis.call('DEL', k) end
+  end
+end
+return n
+"""
+)
+_SCAN_COUNT = 1_000
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def _ttl(ms: int) -> int:
+    # PX must be positive; a record that is already due lives 1 ms.
+    return max(1, ms)
+
+
+def _import_redis() -> Any:
+    try:
+        import redis
+        import redis.asyncio
+    except ImportError:
+        raise ConfigError(
+            "the redis idempotency store needs the redis extra: pip install 'rabbit-delay[redis]'"
+        ) from None
+    return redis
+
+
+# A claim's key outlives its lease by this factor (see the module docstring).
+_CLAIM_TTL_FACTOR = 2
+
+# One script call of a batch: the registered Script, its keys, its arguments. Scripts
+# are typed Any: redis-py's stubs do not declare their `sha` and `script`.
+_Call = tuple[Any, list[str], list[str | int]]
+
+
+class _RedisBase:
+    needs_purge = False  # every record carries a Redis TTL
+
+    def __init__(self, prefix: str, lib: Any) -> None:
+        self.prefix = prefix
+        self._match = _glob_escape(prefix) + "*"
+        self._redis_error: type[Exception] = lib.RedisError
+        self._no_script: type[Exception] = lib.exceptions.NoScriptError
+        # The batches send EVALSHA straight into a pipeline (a Script called with
+        # client=pipe would cost a SCRIPT EXISTS round trip per batch): the scripts
+        # are loaded once before the first batch, and again after a NOSCRIPT.
+        self._scripts_loaded = False
+
+    @staticmethod
+    def _claim_args(owner: str, lease_ms: int) -> list[str | int]:
+        return [owner, lease_ms, _ttl(lease_ms * _CLAIM_TTL_FACTOR)]
+
+    @staticmethod
+    def _complete_args(owner: str, retention_ms: int) -> list[str | int]:
+        return [owner, _ttl(retention_ms)]
+
+    def _claim_calls(self, items: Sequence[ClaimItem], lease_ms: int, script: Any) -> list[_Call]:
+        return [
+            (script, [self.prefix + key], self._claim_args(owner, lease_ms)) for key, owner in items
+        ]
+
+    def _finish_calls(
+        self, items: Sequence[FinishItem], retention_ms: int, complete: Any, release: Any
+    ) -> list[_Call]:
+        return [
+            (complete, [self.prefix + key], self._complete_args(owner, retention_ms))
+            if succeeded
+            else (release, [self.prefix + key], [owner])
+            for key, owner, succeeded in items
+        ]
+
+    def _missing_scripts(self, replies: Sequence[Any]) -> list[int]:
+        # NOSCRIPT: the server lost its script cache (restart, failover, SCRIPT FLUSH).
+        # Such an item did not run, so sending it again is safe.
+        return [i for i, reply in enumerate(replies) if isinstance(reply, self._no_script)]
+
+
+def _claim_result(reply: Any) -> ClaimResult | Exception:
+    return reply if isinstance(reply, Exception) else _RESULTS[int(reply)]
+
+
+def _finish_result(reply: Any) -> Exception | None:
+    return reply if isinstance(reply, Exception) else None
+
+
+class RedisStore(_RedisBase):
+    """A synchronous Redis store (redis-py; thread-safe through its connection pool).
+
+    Pass `client` to share an existing `redis.Redis`; the store then leaves it open on
+    `close()`. Expiry follows the server's clock: every `now_ms` argument is ignored.
+    Raises ConfigError when redis-py is not installed. Operations raise
+    `redis.RedisError` (ConnectionError, TimeoutError, ResponseError); the batch
+    operations return them in their slots instead.
+    """
+
+    def __init__(
+        self,
+        url: str = DEFAULT_REDIS_URL,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        client: redis.Redis[bytes] | None = None,
+    ) -> None:
+        lib = _import_redis()
+        super().__init__(prefix, lib)
+        self._owns_client = client is None
+        self.client: redis.Redis[bytes] = lib.Redis.from_url(url) if client is None else client
+        self._claim = self.client.register_script(_CLAIM)
+        self._renew = self.client.register_script(_RENEW)
+        self._complete = self.client.register_script(_COMPLETE)
+        self._release = self.client.register_script(_RELEASE)
+        self._cancel = self.client.register_script(_CANCEL)
+        self._purge = self.client.register_script(_PURGE)
+        self._scripts: tuple[Any, ...] = (
+            self._claim,
+            self._renew,
+            self._complete,
+            self._release,
+            self._cancel,
+        )
+
+    def claim(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> ClaimResult:
+        """See `IdempotencyStore.claim` (`now_ms` ignored). Raises `redis.RedisError`."""
+        code = self._claim(keys=[self.prefix + key], args=self._claim_args(owner, lease_ms))
+        return _RESULTS[int(code)]
+
+    def renew(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> bool:
+        """See `IdempotencyStore.renew` (`now_ms` ignored). Raises `redis.RedisError`."""
+        return (
+            int(self._renew(keys=[self.prefix + key], args=self._claim_args(owner, lease_ms))) == 1
+        )
+
+    def complete(self, key: str, owner: str, *, now_ms: int, retention_ms: int) -> None:
+        """See `IdempotencyStore.complete` (`now_ms` ignored). Raises `redis.RedisError`."""
+        self._complete(keys=[self.prefix + key], args=self._complete_args(owner, retention_ms))
+
+    def release(self, key: str, owner: str) -> None:
+        """See `IdempotencyStore.release`. Raises `redis.RedisError`."""
+        self._release(keys=[self.prefix + key], args=[owner])
+
+    def cancel(self, key: str, *, now_ms: int, retention_ms: int) -> None:
+        """See `IdempotencyStore.cancel` (`now_ms` ignored). Raises `redis.RedisError`."""
+        self._cancel(keys=[self.prefix + key], args=[_ttl(retention_ms)])
+
+    def claim_many(
+        self, items: Sequence[ClaimItem], *, now_ms: int, lease_ms: int
+    ) -> list[ClaimResult | Exception]:
+        """See `IdempotencyStore.claim_many`: one pipeline, one round trip (`now_ms`
+        ignored)."""
+        replies = self._pipeline(self._claim_calls(items, lease_ms, self._claim))
+        return [_claim_result(reply) for reply in replies]
+
+    def finish_many(
+        self, items: Sequence[FinishItem], *, now_ms: int, retention_ms: int
+    ) -> list[Exception | None]:
+        """See `IdempotencyStore.finish_many`: one pipeline, one round trip (`now_ms`
+        ignored)."""
+        calls = self._finish_calls(items, retention_ms, self._complete, self._release)
+        return [_finish_result(reply) for reply in self._pipeline(calls)]
+
+    def purge(self, *, now_ms: int) -> int:
+        """SCAN this prefix and delete records expired by the server's clock (`now_ms`
+        ignored); returns how many.
+
+        Not needed in normal running (`needs_purge` is False): Redis expires records
+        itself. Walks the whole keyspace. Raises `redis.RedisError`.
+        """
+        total = 0
+        batch: Sequence[bytes]
+        cursor = 0
+        while True:
+            cursor, batch = self.client.scan(cursor, match=self._match, count=_SCAN_COUNT)
+            if batch:
+                total += int(self._purge(keys=list(batch)))
+            if cursor == 0:
+                return total
+
+    def close(self) -> None:
+        if self._owns_client:
+            self.client.close()
+
+    def _pipeline(self, calls: list[_Call]) -> list[Any]:
+        if not calls:
+            return []
+        try:
+            if not self._scripts_loaded:
+                self._load_scripts()
+            replies = self._send(calls)
+            missing = self._missing_scripts(replies)
+            if missing:
+                self._load_scripts()
+                for i, reply in zip(missing, self._send([calls[i] for i in missing]), strict=True):
+                    replies[i] = reply
+        except self._redis_error as exc:  # the connection failed: every item with it
+            return [exc] * len(calls)
+        return replies
+
+    def _send(self, calls: list[_Call]) -> list[Any]:
+        with self.client.pipeline(transaction=False) as pipe:
+            for script, keys, args in calls:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            return list(pipe.execute(raise_on_error=False))
+
+    def _load_scripts(self) -> None:
+        with self.client.pipeline(transaction=False) as pipe:
+            for script in self._scripts:
+                pipe.script_load(script.script)
+            for script, sha in zip(self._scripts, pipe.execute(), strict=True):
+                script.sha = sha.decode() if isinstance(sha, bytes) else sha
+        self._scripts_loaded = True
+
+
+class AsyncRedisStore(_RedisBase):
+    """`RedisStore` over `redis.asyncio`; the same records, so both can share a server.
+
+    Raises ConfigError when redis-py is not installed; operations raise
+    `redis.RedisError`, except the batch operations, which return them in their slots.
+    """
+
+    def __init__(
+        self,
+        url: str = DEFAULT_REDIS_URL,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        client: redis.asyncio.Redis[bytes] | None = None,
+    ) -> None:
+        lib = _import_redis()
+        super().__init__(prefix, lib)
+        self._owns_client = client is None
+        self.client: redis.asyncio.Redis[bytes] = (
+            lib.asyncio.Redis.from_url(url) if client is None else client
+        )
+        self._claim = self.client.register_script(_CLAIM)
+        self._renew = self.client.register_script(_RENEW)
+        self._complete = self.client.register_script(_COMPLETE)
+        self._release = self.client.register_script(_RELEASE)
+        self._cancel = self.client.register_script(_CANCEL)
+        self._purge = self.client.register_script(_PURGE)
+        self._scripts: tuple[Any, ...] = (
+            self._claim,
+            self._renew,
+            self._complete,
+            self._release,
+            self._cancel,
+        )
+
+    async def claim(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> ClaimResult:
+        """See `IdempotencyStore.claim` (`now_ms` ignored). Raises `redis.RedisError`."""
+        code = await self._claim(keys=[self.prefix + key], args=self._claim_args(owner, lease_ms))
+        return _RESULTS[int(code)]
+
+    async def renew(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> bool:
+        """See `IdempotencyStore.renew` (`now_ms` ignored). Raises `redis.RedisError`."""
+        args = self._claim_args(owner, lease_ms)
+        return int(await self._renew(keys=[self.prefix + key], args=args)) == 1
+
+    async def complete(self, key: str, owner: str, *, now_ms: int, retention_ms: int) -> None:
+        """See `IdempotencyStore.complete` (`now_ms` ignored). Raises `redis.RedisError`."""
+        args = self._complete_args(owner, retention_ms)
+        await self._complete(keys=[self.prefix + key], args=args)
+
+    async def release(self, key: str, owner: str) -> None:
+        """See `IdempotencyStore.release`. Raises `redis.RedisError`."""
+        await self._release(keys=[self.prefix + key], args=[owner])
+
+    async def cancel(self, key: str, *, now_ms: int, retention_ms: int) -> None:
+        """See `IdempotencyStore.cancel` (`now_ms` ignored). Raises `redis.RedisError`."""
+        await self._cancel(keys=[self.prefix + key], args=[_ttl(retention_ms)])
+
+    async def claim_many(
+        self, items: Sequence[ClaimItem], *, now_ms: int, lease_ms: int
+    ) -> list[ClaimResult | Exception]:
+        """See `RedisStore.claim_many`."""
+        replies = await self._pipeline(self._claim_calls(items, lease_ms, self._claim))
+        return [_claim_result(reply) for reply in replies]
+
+    async def finish_many(
+        self, items: Sequence[FinishItem], *, now_ms: int, retention_ms: int
+    ) -> list[Exception | None]:
+        """See `RedisStore.finish_many`."""
+        calls = self._finish_calls(items, retention_ms, self._complete, self._release)
+        return [_finish_result(reply) for reply in await self._pipeline(calls)]
+
+    async def purge(self, *, now_ms: int) -> int:
+        """See `RedisStore.purge`. Raises `redis.RedisError`."""
+        total = 0
+        batch: Sequence[bytes]
+        cursor = 0
+        while True:
+            cursor, batch = await self.client.scan(cursor, match=self._match, count=_SCAN_COUNT)
+            if batch:
+                total += int(await self._purge(keys=list(batch)))
+            if cursor == 0:
+                return total
+
+    async def close(self) -> None:
+        if self._owns_client:
+            # aclose() since redis-py 5.0.1, where close() became deprecated.
+            closer = getattr(self.client, "aclose", None) or self.client.close
+            await closer()
+
+    async def _pipeline(self, calls: list[_Call]) -> list[Any]:
+        if not calls:
+            return []
+        try:
+            if not self._scripts_loaded:
+                await self._load_scripts()
+            replies = await self._send(calls)
+            missing = self._missing_scripts(replies)
+            if missing:
+                await self._load_scripts()
+                again = await self._send([calls[i] for i in missing])
+                for i, reply in zip(missing, again, strict=True):
+                    replies[i] = reply
+        except self._redis_error as exc:  # the connection failed: every item with it
+            return [exc] * len(calls)
+        return replies
+
+    async def _send(self, calls: list[_Call]) -> list[Any]:
+        async with self.client.pipeline(transaction=False) as pipe:
+            for script, keys, args in calls:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            return list(await pipe.execute(raise_on_error=False))
+
+    async def _load_scripts(self) -> None:
+        async with self.client.pipeline(transaction=False) as pipe:
+            for script in self._scripts:
+                pipe.script_load(script.script)
+            for script, sha in zip(self._scripts, await pipe.execute(), strict=True):
+                script.sha = sha.decode() if isinstance(sha, bytes) else sha
+        self._scripts_loaded = True

@@ -1,0 +1,706 @@
+"""The asynchronous worker: aio-pika, handlers as tasks bounded by a semaphore.
+
+The connection and channels are aio-pika's; deliveries are consumed on the channel's
+underlying aiormq channel (as AsyncPublisher publishes on it), which hands each
+delivery to one task with its channel attached. Each delivery is acked, nacked or
+rejected on *that* channel object: after a lost connection the old channel refuses
+(ChannelInvalidStateError), so a delivery tag never reaches another channel. The
+broker redelivers such a message; the idempotency guard knows if its handler ran. A
+consumer the broker cancels (RabbitMQ 4.3 does so for a quorum consumer over
+`consumer_timeout`, where older versions close the channel) is consumed again on the
+same channel; the results of its deliveries are dropped the same way.
+
+A driver of the delivery program (`rabbit_delay._consumer.delivery`): each delivery's
+program runs in a task of its own and this module only executes its steps. The claims
+and finishes issued in one loop turn go to the idempotency store as one batch.
+`async def` handlers run on the event loop; plain `def` handlers run in a thread pool
+of `concurrency` threads, so a blocking handler does not stall the loop.
+
+Shutdown: consumers are cancelled, running handlers get `shutdown_timeout`; past it the
+connection is closed (the broker redelivers what is unacked) and the worker still waits
+for running handlers to record their results, so the store is never closed under one.
+A second SIGINT/SIGTERM (or `stop(force=True)`) stops at once: running handlers are
+abandoned like a crash, and their claims run out after the lease.
+
+The connection is a plain (not robust) aio-pika connection: reconnection is this
+worker's own loop, with backoff, so consumers, publisher and generation change
+together and nothing is restored behind its back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+from functools import partial
+from queue import SimpleQueue
+from typing import Any, Unpack
+
+import aiormq
+import aiormq.exceptions
+from aio_pika.abc import AbstractChannel, AbstractConnection
+from aiormq.abc import AbstractChannel as RawChannel
+from aiormq.abc import DeliveredMessage
+from pamqp.commands import Basic
+
+from rabbit_delay._broker import UNKNOWN, BrokerInfo
+from rabbit_delay._consumer.acks import AckTracker
+from rabbit_delay._consumer.app import App, Consumer, Transport
+from rabbit_delay._consumer.context import clock_ms
+from rabbit_delay._consumer.delivery import (
+    STALE,
+    STOPPING,
+    Claim,
+    Delivery,
+    Finish,
+    Pause,
+    Publish,
+    Run,
+    Settled,
+    Step,
+    WriteAck,
+    WriteNack,
+)
+from rabbit_delay._consumer.stats import log_connection_lost
+from rabbit_delay._consumer.worker_base import (
+    WorkerBase,
+    WorkerSettings,
+    call_async_handler,
+    call_handler,
+)
+from rabbit_delay._errors import BrokerError, PublishError, RabbitDelayError
+from rabbit_delay._idempotency.guard import AsyncGuard, ClaimResult
+from rabbit_delay._urls import redact
+from rabbit_delay.aio._connection import broker_info, close_quietly, connect_first
+from rabbit_delay.aio._declarer import declare as declare_topology
+from rabbit_delay.aio._errors import CLIENT_ERRORS, mapped
+from rabbit_delay.aio._publisher import WORKER_BLOCKED_TIMEOUT_S, AsyncPublisher
+from rabbit_delay.aio._reconcile import AsyncReconciling
+
+log = logging.getLogger("rabbit_delay.worker")
+
+HEARTBEAT_S = 0.5  # how often the event loop proves it is not blocked
+
+_CHANNEL_GONE = (
+    aiormq.exceptions.ChannelInvalidStateError,
+    aiormq.exceptions.AMQPError,
+    ConnectionError,
+    RuntimeError,  # "writer is None" on a connection torn down mid-call
+)
+# What a reconnect round may meet: the next node may lack the topology, refuse the user...
+_RECONNECT_ERRORS: tuple[type[BaseException], ...] = (RabbitDelayError, *CLIENT_ERRORS)
+
+
+class AsyncWorker(WorkerBase):
+    """Runs an App's consumers on aio-pika until `stop()` (or SIGINT/SIGTERM).
+
+    Same options and guarantees as the sync `Worker`; `concurrency` bounds handlers
+    running at once (default 16). Runs sync and async handlers alike.
+
+    Raises ConfigError at construction for an unknown queue or a malformed URL list;
+    `run()` raises BrokerUnavailable (every URL tried, and why), MissingObjectError,
+    AccessRefused, IncompatibleBroker or DeclarationConflict when it cannot start.
+    After a successful start, lost connections are re-opened with backoff, over every
+    URL (see WorkerBase).
+    """
+
+    transport = Transport.ASYNC
+    default_concurrency = 16
+
+    def __init__(
+        self,
+        app: App,
+        url: str | Sequence[str] | None = None,
+        **settings: Unpack[WorkerSettings],
+    ) -> None:
+        super().__init__(app, url, **settings)
+        self._stop_requested = False
+        self._force = False  # abandon running handlers (second signal)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._lost: asyncio.Event | None = None
+        self._stopping = False
+        self._guard: AsyncGuard | None = None
+        self._connection: AbstractConnection | None = None
+        self._channel: AbstractChannel | None = None
+        self._raw: RawChannel | None = None
+        self._publisher: AsyncPublisher | None = None
+        self._broker: BrokerInfo = UNKNOWN  # the connected broker's version rules
+        self._lost_reason = ""
+        self._sem = asyncio.Semaphore(self.concurrency)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._idle: asyncio.Event | None = None
+        self._batches: _StoreBatches | None = None
+        self._executor: _DaemonThreads | None = None
+        self._to_flush: dict[AckTracker, RawChannel] = {}
+        self._ack_writes: set[asyncio.Future[None]] = set()
+        self._ack_order = asyncio.Lock()  # ack frames reach the wire in flush order
+
+    # -- public ------------------------------------------------------------------------
+
+    def stop(self, *, force: bool = False) -> None:
+        """Ask the worker to stop; callable from any thread. With `force`, stop at once
+        and abandon running handlers (their claims run out after the lease)."""
+        self._stop_requested = True
+        if force:
+            self._force = True
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop is already closed
+                loop.call_soon_threadsafe(stop.set)
+
+    def stop_requested(self) -> bool:
+        return self._stop_requested
+
+    async def run(self) -> None:
+        """Consume until stopped. Raises BrokerUnavailable / MissingObjectError /
+        DeclarationConflict when it cannot start."""
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self._idle = asyncio.Event()
+        if self._stop_requested:
+            self._stop.set()
+        if self.guarded:
+            self._guard = self.app.async_guard()
+            self._batches = _StoreBatches(self._guard)
+        if any(not c.is_async for c in self.consumers):
+            self._executor = _DaemonThreads(self.concurrency, "rabbit-delay-handler")
+        restore = self._install_signals()
+        housekeeping: asyncio.Task[None] | None = None
+        self.run_begins()
+        heartbeat = asyncio.create_task(self._heartbeat())
+        reconciling: AsyncReconciling | None = None
+        try:
+            await self._open()
+            self.log_consuming()
+            reconciling = self._start_reconciling()
+            if self._guard is not None:
+                housekeeping = asyncio.create_task(self._housekeeping(self._guard))
+            while not self._stop.is_set():
+                lost = self._lost
+                assert lost is not None
+                waiters = [asyncio.create_task(self._stop.wait()), asyncio.create_task(lost.wait())]
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                for w in waiters:
+                    w.cancel()
+                if self._stop.is_set():
+                    break
+                log_connection_lost(self._lost_reason, self.queue_names())
+                self.stats.reconnects += 1
+                self.started.clear()
+                await self._close_connection()
+                await self._reconnect()
+            if self._connection is not None:
+                await self._shutdown()
+            await self._wait_running()
+        finally:
+            if reconciling is not None:
+                await reconciling.stop()
+            await self._close_connection()
+            abandoned = list(self._tasks)
+            for task in abandoned:  # forced: their claims run out after the lease
+                task.cancel()
+            if abandoned:
+                await asyncio.wait(abandoned, timeout=2)
+            if housekeeping is not None:
+                housekeeping.cancel()
+            heartbeat.cancel()
+            if self._executor is not None:
+                # Forced: a running `def` handler cannot be interrupted; its daemon thread
+                # is left behind, and the process may exit under it.
+                self._executor.shutdown(wait=not abandoned, cancel_futures=True)
+            restore()
+            self.run_ends()
+            self.log_stopped()
+
+    async def _heartbeat(self) -> None:
+        """Beat from the event loop itself: a loop blocked by a handler that never
+        awaits stops beating, and /healthz says so (consumer/_health.py)."""
+        while True:
+            self.beat()
+            await asyncio.sleep(HEARTBEAT_S)
+
+    def _start_reconciling(self) -> AsyncReconciling | None:
+        """The app's reconcilers in a task of their own, each run publishing on a
+        connection of its own."""
+        if not self.reconcilers:
+            return None
+        topology, urls, settings = self.app.topology, self.urls, self.connection_settings
+
+        async def connect() -> AsyncPublisher:
+            return await AsyncPublisher.connect(topology, urls, settings=settings)
+
+        metrics = self.metrics.metrics if self.metrics is not None else None
+        reconciling = AsyncReconciling(self.app, self.reconcilers, self.identity, connect, metrics)
+        reconciling.start()
+        return reconciling
+
+    # -- connection --------------------------------------------------------------------
+
+    async def _open(self, urls: tuple[str, ...] | None = None) -> None:
+        """Connect to the first of `urls` (default: all, in order) that answers, check the
+        broker and the queues, and consume. Raises the error tree's classes only."""
+        connection, url = await connect_first(
+            urls or self.urls, name=self.name, settings=self.connection_settings
+        )
+        try:
+            broker = broker_info(connection)
+            self.check_broker(broker)
+            if self.declare and not self.ever_started:  # at start only: see connections.md
+                await declare_topology(connection, self.app.topology)
+            for queue_name in self.queue_names():
+                await _check_queue(connection, queue_name)
+            with mapped("opening the consuming channel"):
+                channel = await connection.channel(publisher_confirms=False)
+                await channel.set_qos(prefetch_count=self.prefetch)
+                raw = await channel.get_underlay_channel()
+            publisher = await AsyncPublisher(
+                self.app.topology, connection=connection, blocked_timeout=WORKER_BLOCKED_TIMEOUT_S
+            ).open()
+            lost = asyncio.Event()
+
+            def on_close(_sender: object = None, exc: BaseException | None = None) -> None:
+                # The first reason wins (the channel's, when the broker closed it).
+                if not lost.is_set():
+                    self._lost_reason = redact(repr(exc)) if exc is not None else "closed"
+                lost.set()
+
+            connection.close_callbacks.add(on_close)
+            channel.close_callbacks.add(on_close)
+            tracker = AckTracker()  # one per channel: tags never outlive their channel
+            raw.on_consumer_cancel_callbacks.add(partial(self._on_cancel, raw, tracker))
+            # In place before the first delivery can arrive.
+            self._connection, self._channel, self._raw = connection, channel, raw
+            self._publisher, self._lost, self._broker = publisher, lost, broker
+            self.url = url
+            self._new_channel()
+            queues = ", ".join(self.queue_names())
+            with mapped(f"starting to consume {queues}", permission="read"):
+                for consumer in self.consumers:
+                    await self._consume(raw, tracker, consumer)
+        except BaseException:
+            self._connection = self._channel = self._raw = self._publisher = None
+            await close_quietly(connection)
+            raise
+        self.started.set()
+        self.ever_started = True
+
+    async def _consume(self, raw: RawChannel, tracker: AckTracker, consumer: Consumer) -> str:
+        queue_name = self.app.topology.names.business_queue(consumer.queue)
+        ok = await raw.basic_consume(
+            queue_name, partial(self._on_delivery, consumer, tracker), no_ack=False
+        )
+        tag = str(ok.consumer_tag)
+        self._by_tag[tag] = consumer
+        return tag
+
+    def _on_cancel(self, raw: RawChannel, tracker: AckTracker, frame: Basic.Cancel) -> None:
+        """basic.cancel from the broker: drop that consumer's deliveries, consume again."""
+        if raw is not self._raw:  # a channel we already left
+            return
+        stopping = self._stopping or self._stop_requested
+        again = self._consumer_cancelled(str(frame.consumer_tag), self._broker, stopping)
+        if again is not None:
+            task = asyncio.ensure_future(self._consume_again(raw, tracker, again))
+            self._tasks.add(task)
+            task.add_done_callback(self._task_done)
+
+    async def _consume_again(
+        self, raw: RawChannel, tracker: AckTracker, consumer: Consumer
+    ) -> None:
+        try:
+            tag = await self._consume(raw, tracker, consumer)
+        except _CHANNEL_GONE as exc:  # the channel went too: the reconnect consumes again
+            log.warning("%s: could not consume again (%s)", consumer.queue, redact(repr(exc)))
+            if self._lost is not None and raw is self._raw:
+                self._lost_reason = redact(repr(exc))
+                self._lost.set()
+            return
+        log.info("%s: consuming again (consumer tag %s)", consumer.queue, tag)
+
+    async def _reconnect(self) -> None:
+        """Open a new connection, with backoff between rounds; each round tries the URLs
+        after the lost one first (a dead node last)."""
+        assert self._stop is not None
+        delays = self.reconnect_delays()
+        order = self.reconnect_order()
+        while not self._stop.is_set():
+            try:
+                await self._open(order)
+            except _RECONNECT_ERRORS as exc:
+                delay = next(delays)
+                self.log_reconnect_failed(str(exc) or repr(exc), delay)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), delay)
+            else:
+                self.log_reconnected()
+                return
+
+    async def _close_connection(self) -> None:
+        connection, self._connection = self._connection, None
+        self._channel = self._raw = self._publisher = None
+        await close_quietly(connection)
+
+    async def _shutdown(self) -> None:
+        """Cancel consumers, let in-flight handlers finish (up to the timeout), close."""
+        self._stopping = True
+        raw, idle = self._raw, self._idle
+        assert idle is not None
+        try:
+            if raw is not None:
+                for tag in list(self._by_tag):
+                    await raw.basic_cancel(tag)
+        except _CHANNEL_GONE as exc:
+            log.warning("connection lost during shutdown (%s)", redact(repr(exc)))
+        if self._tasks:
+            idle.clear()
+            deadline = time.monotonic() + self.shutdown_timeout
+            while self._tasks and not self._force and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(idle.wait(), 0.2)
+        if self._tasks:
+            self.log_shutdown_timeout(len(self._tasks), self._force)
+        self._flush()
+        if self._ack_writes:
+            await asyncio.wait(list(self._ack_writes), timeout=5)
+        await self._close_connection()
+
+    async def _wait_running(self) -> None:
+        """After the connection closed: let running handlers record their results in the
+        store (done or released), so it is never closed under one; their acks are stale.
+        A forced stop skips this."""
+        waited = 0.0
+        while self._tasks and not self._force:
+            await asyncio.wait(list(self._tasks), timeout=0.2)
+            waited += 0.2
+            if waited >= 10:
+                waited = 0.0
+                self.log_still_running(len(self._tasks))
+
+    # -- deliveries --------------------------------------------------------------------
+
+    async def _on_delivery(
+        self, consumer: Consumer, tracker: AckTracker, message: DeliveredMessage
+    ) -> None:
+        """aiormq's task for one delivery: hand it to a task of our own and return.
+
+        aiormq cancels its tasks when their channel closes; a handler cut off mid-way by
+        a lost connection could leave half its work done. Our task lets it finish (its
+        ack then fails as stale, and the guard recognises the redelivered copy).
+        """
+        # aiormq starts these tasks in delivery order: register before anything else.
+        tag: int = message.delivery.delivery_tag  # type: ignore[union-attr,assignment]
+        tracker.delivered(tag)
+        task = asyncio.get_running_loop().create_task(
+            self._on_message(consumer, tracker, message, tag)
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        tasks = self._tasks
+        tasks.discard(task)
+        if not tasks and self._idle is not None:
+            self._idle.set()
+
+    async def _on_message(
+        self, consumer: Consumer, tracker: AckTracker, message: DeliveredMessage, tag: int
+    ) -> None:
+        """Drive one delivery's program to its end."""
+        self.stats.received += 1
+        props = message.header.properties
+        delivery = Delivery(
+            props.message_id,
+            props.headers,
+            bool(message.delivery.redelivered),  # type: ignore[union-attr]
+            message.body,
+            props.content_type,
+            clock_ms(),
+        )
+        live = _Live(
+            message.channel,
+            tracker,
+            tag,
+            str(message.delivery.consumer_tag),  # type: ignore[union-attr]
+        )
+        program = self.program(consumer, delivery, self._broker)
+        reply: object = None
+        while True:
+            try:
+                step: Step = program.send(reply)
+            except StopIteration as stop:
+                settled: Settled = stop.value
+                if settled.stale and not live.channel.is_closed:
+                    tracker.settled(tag)  # its consumer was cancelled: never acked
+                self.account(settled)
+                return
+            try:
+                reply = await self._execute(live, step)
+            except _CHANNEL_GONE:
+                reply = STALE  # its channel is gone: the broker redelivers it
+
+    def _stale(self, live: _Live) -> bool:
+        return live.channel.is_closed or live.ctag in self._cancelled
+
+    async def _execute(self, live: _Live, step: Step) -> object:
+        if isinstance(step, Finish):  # always executed: the handler did run
+            if self.leases.drop(step.owner):
+                self.finished_after_lost_lease(step.key)
+            assert self._batches is not None
+            return await self._batches.finish(step.key, step.owner, step.succeeded)
+        if self._stale(live):
+            return STALE
+        if isinstance(step, Claim):
+            if self._stopping:
+                return STOPPING
+            assert self._batches is not None
+            result = await self._batches.claim(step.key, step.owner)
+            if result is ClaimResult.CLAIMED:
+                self.leases.hold(step.key, step.owner, clock_ms())
+            return result
+        if isinstance(step, Run):
+            return await self._run(live, step)
+        if isinstance(step, Pause):
+            await asyncio.sleep(step.seconds)
+            return None
+        if isinstance(step, WriteAck):
+            self._ack(live.channel, live.tracker, live.tag)
+            return None
+        if isinstance(step, Publish):
+            publisher = self._publisher
+            if publisher is None:  # lost meanwhile: the broker redelivers the original
+                return STALE
+            try:
+                await publisher.publish_outgoing((step.outgoing,))
+            except (PublishError, BrokerError) as exc:
+                return exc
+            return None
+        if isinstance(step, WriteNack):
+            await live.channel.basic_nack(live.tag, multiple=False, requeue=True)
+        else:
+            await live.channel.basic_reject(live.tag, requeue=step.requeue)
+        live.tracker.settled(live.tag)
+        return None
+
+    async def _run(self, live: _Live, step: Run) -> object:
+        if self._stopping:
+            return STOPPING
+        async with self._sem:
+            if self._stale(live):  # cancelled or lost while waiting for a slot
+                return STALE
+            if self._stopping:  # waited for a slot past the stop: not started
+                return STOPPING
+            consumer, prepared = step.consumer, step.prepared
+            if consumer.is_async:
+                return await call_async_handler(consumer, prepared, self.metrics)
+            assert self._loop is not None
+            return await self._loop.run_in_executor(
+                self._executor, call_handler, consumer, prepared, self.metrics
+            )
+
+    def _ack(self, channel: RawChannel, tracker: AckTracker, tag: int) -> None:
+        """Mark for ack; written at the end of this loop iteration, coalesced (AckTracker)."""
+        tracker.acked(tag)
+        if not self._to_flush:
+            assert self._loop is not None
+            self._loop.call_soon(self._flush)
+        self._to_flush[tracker] = channel
+
+    def _flush(self) -> None:
+        to_flush, self._to_flush = self._to_flush, {}
+        for tracker, channel in to_flush.items():
+            frames = tracker.flush()
+            if frames:
+                task = asyncio.ensure_future(self._write_acks(channel, frames))
+                self._ack_writes.add(task)
+                task.add_done_callback(self._ack_writes.discard)
+
+    async def _write_acks(self, channel: RawChannel, frames: list[tuple[int, bool]]) -> None:
+        # One flush at a time, in order: a later flush's multiple-ack assumes the single
+        # acks of the earlier ones are on the wire; overtaking them would settle those
+        # tags first, and their own acks would then close the channel (406 unknown
+        # delivery tag), losing every unacked delivery of the channel.
+        try:
+            async with self._ack_order:
+                for tag, multiple in frames:
+                    await channel.basic_ack(tag, multiple=multiple)
+        except _CHANNEL_GONE:
+            log.debug("acks lost with their channel; the broker redelivers those messages")
+
+    async def _housekeeping(self, guard: AsyncGuard) -> None:
+        """Renew the leases of running handlers; purge expired records now and then. No
+        lock is held across a store round trip."""
+        book = self.leases
+        while True:
+            await asyncio.sleep(book.every_ms / 2000)
+            for key, owner in book.due(clock_ms()):
+                try:
+                    ok = await guard.renew(key, owner)
+                except Exception as exc:
+                    log.warning("lease renewal of %s failed: %r", key, exc)
+                    continue
+                if book.renewed(owner, ok, clock_ms()):
+                    self.lease_lost(key, owner)
+            if guard.store.needs_purge and self.purge_due():
+                try:
+                    await guard.purge()
+                except Exception as exc:
+                    log.warning("idempotency purge failed: %r", exc)
+
+    # -- signals ---------------------------------------------------------------------------
+
+    def _install_signals(self) -> Callable[[], None]:
+        loop = self._loop
+        in_main = threading.current_thread() is threading.main_thread()
+        if loop is None or not self.install_signal_handlers or not in_main:
+            return lambda: None
+        sigs = (signal.SIGINT, signal.SIGTERM)
+
+        def on_signal(sig: signal.Signals) -> None:
+            self.stop(force=self.on_signal(sig.name, self._stop_requested))
+
+        for sig in sigs:
+            loop.add_signal_handler(sig, on_signal, sig)
+
+        def restore() -> None:
+            for sig in sigs:
+                loop.remove_signal_handler(sig)
+
+        return restore
+
+
+@dataclass(slots=True, eq=False)
+class _Live:
+    """One delivery whose program is running: where it is settled."""
+
+    channel: RawChannel
+    tracker: AckTracker
+    tag: int
+    ctag: str
+
+
+class _DaemonThreads(Executor):
+    """The pool for plain `def` handlers: daemon threads, so a forced stop (a second
+    SIGINT/SIGTERM) can end the process under a handler that is still running, which
+    `ThreadPoolExecutor` would wait for at interpreter exit."""
+
+    def __init__(self, size: int, prefix: str) -> None:
+        self._jobs: SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
+            SimpleQueue()
+        )
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{prefix}-{i}", daemon=True)
+            for i in range(size)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        call = partial(fn, **kwargs) if kwargs else fn
+        self._jobs.put((future, call, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if cancel_futures:
+            while not self._jobs.empty():
+                job = self._jobs.get_nowait()
+                if job is not None:
+                    job[0].cancel()
+        for _ in self._threads:
+            self._jobs.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()
+
+
+class _StoreBatches:
+    """The claims (and finishes) issued in one loop turn go to the store as one batch;
+    while a batch runs, the next one gathers."""
+
+    def __init__(self, guard: AsyncGuard) -> None:
+        self.guard = guard
+        self._claims: list[tuple[str, str, asyncio.Future[object]]] = []
+        self._finishes: list[tuple[str, str, bool, asyncio.Future[object]]] = []
+        self._busy = False
+        self._task: asyncio.Future[None] | None = None
+
+    def claim(self, key: str, owner: str) -> asyncio.Future[object]:
+        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self._claims.append((key, owner, future))
+        self._schedule()
+        return future
+
+    def finish(self, key: str, owner: str, succeeded: bool) -> asyncio.Future[object]:
+        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self._finishes.append((key, owner, succeeded, future))
+        self._schedule()
+        return future
+
+    def _schedule(self) -> None:
+        if not self._busy:
+            self._busy = True
+            asyncio.get_running_loop().call_soon(self._start)
+
+    def _start(self) -> None:
+        # The loop keeps only weak references to tasks: hold this one until it ends.
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        try:
+            while self._claims or self._finishes:
+                finishes, self._finishes = self._finishes, []
+                if finishes:
+                    items = [(k, o, ok) for k, o, ok, _ in finishes]
+                    await self._resolve(self.guard.finish_many(items), [f[3] for f in finishes])
+                claims, self._claims = self._claims, []
+                if claims:
+                    pairs = [(k, o) for k, o, _ in claims]
+                    await self._resolve(self.guard.claim_many(pairs), [c[2] for c in claims])
+        finally:
+            self._busy = False
+
+    @staticmethod
+    async def _resolve(batch: Any, futures: list[asyncio.Future[object]]) -> None:
+        try:
+            results = await batch
+        except Exception as exc:  # the whole batch failed: each op with that error
+            results = [exc] * len(futures)
+        for future, result in zip(futures, results, strict=True):
+            if not future.done():
+                future.set_result(result)
+
+
+async def _check_queue(connection: AbstractConnection, queue_name: str) -> None:
+    """Passive declare on a throwaway channel: needs no configure permission."""
+    with mapped(f"checking queue {queue_name!r}", permission="read"):
+        channel = await connection.channel(publisher_confirms=False)
+        try:
+            await channel.declare_queue(queue_name, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            raise WorkerBase.missing_queue(queue_name) from None
+        finally:
+            if not channel.is_closed:
+                with contextlib.suppress(*CLIENT_ERRORS, RuntimeError):
+                    await channel.close()

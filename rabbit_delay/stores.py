@@ -1,0 +1,29 @@
+"""Idempotency stores: where a worker's guard records which messages were handled.
+
+    from rabbit_delay import App
+    from rabbit_delay.stores import RedisStore
+
+    app = App("topology/shop.toml", store=RedisStore("redis://127.0.0.1:6379/0"))
+
+By default an app builds its store from the topology's `[idempotency]` table (SQLite,
+next to the topology file). Every store implements the `IdempotencyStore` protocol
+(`AsyncIdempotencyStore` for the async worker); `ClaimResult` is what a claim answers.
+`RedisStore` and `AsyncRedisStore` need the `redis` extra, imported only when one is
+created. See docs/idempotency.md.
+"""
+
+from rabbit_delay._idempotency.guard import AsyncIdempotencyStore, ClaimResult, IdempotencyStore
+from rabbit_delay._stores.memory import MemoryStore
+from rabbit_delay._stores.redis import AsyncRedisStore, RedisStore
+from rabbit_delay._stores.sqlite import AsyncSQLiteStore, SQLiteStore
+
+__all__ = [
+    "AsyncIdempotencyStore",
+    "AsyncRedisStore",
+    "AsyncSQLiteStore",
+    "ClaimResult",
+    "IdempotencyStore",
+    "MemoryStore",
+    "RedisStore",
+    "SQLiteStore",
+]

@@ -1,0 +1,702 @@
+"""The synchronous worker: pika, with handlers in a pool of threads.
+
+A driver of the delivery program (`rabbit_delay._consumer.delivery`): it decides
+nothing about a delivery, it executes the program's steps.
+
+Threading model. pika is not thread-safe, so one thread (the one calling `run()`)
+owns the connection and executes every step but Run: claims and finishes (the ones of
+a prefetched batch go to the idempotency store together, in one transaction or one
+round trip), publishes, acks, nacks and rejects. Handlers (the Run steps) run on
+`concurrency` pool threads; each finished one is put on a results queue and the
+connection thread is woken with `connection.add_callback_threadsafe` (at most one
+wake-up pending at a time). A housekeeping thread renews the leases of running
+handlers (it holds no lock across a store round trip) and purges expired records.
+
+Delivery tags are only valid on the channel that delivered them: every delivery
+carries the generation of its channel, and a delivery of an older generation (the
+connection was lost meanwhile) is answered STALE, never acked. The broker redelivers
+that message; the idempotency guard knows whether its handler already ran. The same
+holds for the deliveries of a consumer the broker cancelled (RabbitMQ 4.3 cancels a
+quorum consumer over `consumer_timeout` instead of closing its channel): they are
+dropped, and the queue is consumed again on the same channel.
+
+Shutdown: consumers are cancelled, running handlers get `shutdown_timeout`; past it
+the connection is closed (the broker redelivers what is unacked) and the worker still
+waits for the running handlers to record their results, so the store is never closed
+under one. A second SIGINT/SIGTERM (or `stop(force=True)`) stops at once: running
+handlers are abandoned like a crash, and their claims run out after the lease.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from functools import partial
+from queue import SimpleQueue
+from typing import Any, Unpack
+
+import pika
+import pika.exceptions
+import pika.spec
+from pika.adapters.blocking_connection import BlockingChannel
+
+from rabbit_delay._broker import UNKNOWN, BrokerInfo
+from rabbit_delay._consumer.acks import AckTracker
+from rabbit_delay._consumer.app import App, Consumer, Transport
+from rabbit_delay._consumer.context import clock_ms
+from rabbit_delay._consumer.delivery import (
+    STALE,
+    STOPPING,
+    Claim,
+    Delivery,
+    Finish,
+    Pause,
+    Program,
+    Publish,
+    Run,
+    Settled,
+    Step,
+    WriteAck,
+    WriteNack,
+    WriteReject,
+)
+from rabbit_delay._consumer.stats import log_connection_lost
+from rabbit_delay._consumer.worker_base import WorkerBase, WorkerSettings, call_handler
+from rabbit_delay._errors import BrokerError, BrokerUnavailable, PublishError, RabbitDelayError
+from rabbit_delay._idempotency.guard import ClaimResult, Guard
+from rabbit_delay._stop_signals import install_stop_signals
+from rabbit_delay._urls import redact
+from rabbit_delay.sync._connection import broker_info, close_quietly, connect_first
+from rabbit_delay.sync._declarer import declare as declare_topology
+from rabbit_delay.sync._errors import CLIENT_ERRORS, mapped
+from rabbit_delay.sync._publisher import WORKER_BLOCKED_TIMEOUT_S, Publisher
+from rabbit_delay.sync._reconcile import Reconciling
+
+log = logging.getLogger("rabbit_delay.worker")
+
+POLL_S = 0.2  # how often the connection thread looks at the stop flag when idle
+# At most this many claims and finishes per store batch: a prefetch window arrives as one
+# burst, and one batch for all of it would move the window in lockstep (every message
+# waits for the whole batch before its handler, or its ack); smaller batches let the
+# first acks go out, and the next deliveries come in, while the rest is stored.
+STORE_BATCH = 64
+# What ends a connection's loop: any client error (a lost connection, the consuming
+# channel closed by the broker, ...) and a lost connection the map already translated.
+_CONNECTION_ERRORS: tuple[type[BaseException], ...] = (*CLIENT_ERRORS, BrokerUnavailable)
+# What a reconnect round may meet: the next node may lack the topology, refuse the user...
+_RECONNECT_ERRORS: tuple[type[BaseException], ...] = (RabbitDelayError, *CLIENT_ERRORS)
+
+
+class _Back(Enum):
+    """What a handler thread hands back to the connection thread."""
+
+    SETTLE = "settle"  # a settle step to execute (the program ran up to it)
+    SETTLED = "settled"  # the program's end
+
+
+@dataclass(slots=True, eq=False)
+class _Live:
+    """One delivery whose program is running."""
+
+    gen: int  # the channel generation it came on
+    consumer: Consumer
+    ctag: str
+    tag: int
+    program: Program | None  # made on a handler thread for a store that never blocks
+
+
+class Worker(WorkerBase):
+    """Runs an App's consumers on pika until `stop()` (or SIGINT/SIGTERM).
+
+    `prefetch` (default 2 x concurrency) bounds unacked deliveries per consumer;
+    `concurrency` is the number of handler threads. With `declare=True` the topology
+    is declared first; otherwise queues are only checked with passive declares, so
+    the worker needs read permission on its queues and write permission on the tier
+    and parking exchanges (for retries and parked messages), nothing more.
+
+    Raises ConfigError at construction for a handler it cannot run (async def), an
+    unknown queue or a malformed URL list; `run()` raises BrokerUnavailable (every URL
+    tried, and why), MissingObjectError, AccessRefused, IncompatibleBroker or
+    DeclarationConflict when it cannot start. After a successful start, lost
+    connections are re-opened with backoff, over every URL (see WorkerBase).
+    """
+
+    transport = Transport.SYNC
+    default_concurrency = 4
+
+    def __init__(
+        self,
+        app: App,
+        url: str | Sequence[str] | None = None,
+        **settings: Unpack[WorkerSettings],
+    ) -> None:
+        super().__init__(app, url, **settings)
+        self._guard: Guard | None = app.guard() if self.guarded else None
+        self._stop = threading.Event()
+        self._force = threading.Event()  # abandon running handlers (second signal)
+        self._stopping = False  # set on the connection thread when the drain begins
+        self._gen = 0
+        self._conn: pika.BlockingConnection | None = None
+        self._channel: BlockingChannel | None = None
+        self._publisher: Publisher | None = None
+        self._broker: BrokerInfo = UNKNOWN  # the connected broker's version rules
+        self._resubscribe: list[Consumer] = []  # cancelled by the broker, to consume again
+        self._tracker = AckTracker()
+        self._inflight = 0  # deliveries of the current channel not yet settled
+        self._running = 0  # programs away on the handler and store threads
+        # (delivery, reply to send its program): a handler thread runs it onwards.
+        self._jobs: SimpleQueue[tuple[_Live, object] | None] = SimpleQueue()
+        self._results: deque[tuple[_Live, _Back, object]] = deque()
+        # Claims and finishes for the store thread, run in batches (one transaction or
+        # round trip for all that gathered while the previous batch ran).
+        self._store_ops: SimpleQueue[tuple[_Live, Claim | Finish] | None] = SimpleQueue()
+        self._inline_store = self._guard is not None and getattr(
+            self._guard.store, "never_blocks", False
+        )
+        self._wake_pending = False
+        self._threads: list[threading.Thread] = []
+        self._housekeeper: threading.Thread | None = None
+        self._done = threading.Event()  # stops the housekeeping thread
+
+    # -- public ------------------------------------------------------------------------
+
+    def stop(self, *, force: bool = False) -> None:
+        """Ask the worker to stop: cancel consumers, finish in-flight handlers. With
+        `force`, stop at once and abandon running handlers (their claims run out after
+        the lease). Thread-safe."""
+        if force:
+            self._force.set()
+        self._stop.set()
+        self._wake()
+
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
+
+    def run(self) -> None:
+        """Consume until stopped. Raises BrokerUnavailable / MissingObjectError /
+        DeclarationConflict when it cannot start."""
+        restore = self._install_signals()
+        self.run_begins()
+        reconciling: Reconciling | None = None
+        try:
+            self._start_threads()
+            self._open()
+            self.log_consuming()
+            reconciling = self._start_reconciling()
+            while not self._stop.is_set():
+                try:
+                    self._loop()
+                except _CONNECTION_ERRORS as exc:
+                    if self._stop.is_set():
+                        break
+                    log_connection_lost(self._why(exc), self.queue_names())
+                    self._lost()
+                    self._reconnect()
+            if self._conn is not None:
+                self._shutdown()
+            self._wait_running()
+        finally:
+            self._stop.set()
+            if reconciling is not None:
+                reconciling.stop()
+            self._close_connection()
+            for _ in self._threads:
+                self._jobs.put(None)
+            self._store_ops.put(None)
+            self._done.set()
+            if self._housekeeper is not None:
+                self._housekeeper.join(timeout=5)
+            if not self._force.is_set():
+                for t in self._threads:
+                    t.join(timeout=1)
+            restore()
+            self.run_ends()
+            self.log_stopped()
+
+    def _start_reconciling(self) -> Reconciling | None:
+        """The app's reconcilers on a thread of their own, each run publishing on a
+        connection of its own (this one belongs to this thread)."""
+        if not self.reconcilers:
+            return None
+        topology, urls, settings = self.app.topology, self.urls, self.connection_settings
+
+        def connect() -> Publisher:
+            return Publisher.connect(topology, urls, settings=settings)
+
+        metrics = self.metrics.metrics if self.metrics is not None else None
+        reconciling = Reconciling(self.app, self.reconcilers, self.identity, connect, metrics)
+        reconciling.start()
+        return reconciling
+
+    # -- connection thread ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        conn, channel = self._conn, self._channel
+        assert conn is not None
+        assert channel is not None
+        while not self._stop.is_set():
+            self.beat()
+            conn.process_data_events(time_limit=POLL_S)
+            if channel.is_closed:
+                # pika does not raise for a channel the broker closed (before 4.3: 406 on
+                # consumer_timeout); its reason tells why.
+                reason = getattr(channel, "_closing_reason", None)
+                if isinstance(reason, pika.exceptions.ChannelClosed):
+                    raise reason
+                raise pika.exceptions.ChannelWrongStateError("the consuming channel closed")
+            if self._resubscribe:
+                self._consume_again()
+            self._drain()
+
+    def _why(self, exc: BaseException) -> str:
+        """The broker's reason for a closed channel (consumer timeout, unknown delivery
+        tag, ...), where pika only raised 'Channel is closed'."""
+        channel = self._channel
+        reason = getattr(channel, "_closing_reason", None) if channel is not None else None
+        if isinstance(exc, pika.exceptions.ChannelWrongStateError) and isinstance(
+            reason, pika.exceptions.ChannelClosed
+        ):
+            exc = reason
+        return redact(repr(exc))
+
+    def _open(self, urls: tuple[str, ...] | None = None) -> None:
+        """Connect to the first of `urls` (default: all, in order) that answers, check the
+        broker and the queues, and consume. Raises the error tree's classes only."""
+        conn, url = connect_first(
+            urls or self.urls, name=self.name, settings=self.connection_settings
+        )
+        try:
+            broker = broker_info(conn)
+            self.check_broker(broker)
+            if self.declare and not self.ever_started:  # at start only: see connections.md
+                declare_topology(conn, self.app.topology)
+            queue_names = self.queue_names()
+            for queue_name in queue_names:
+                _check_queue(conn, queue_name)
+            with mapped(f"starting to consume {', '.join(queue_names)}", permission="read"):
+                channel = conn.channel()
+                channel.basic_qos(prefetch_count=self.prefetch)
+                channel.add_on_cancel_callback(self._on_cancel)
+                self._publisher = Publisher(
+                    self.app.topology, connection=conn, blocked_timeout=WORKER_BLOCKED_TIMEOUT_S
+                ).open()
+                self._conn, self._channel, self._broker = conn, channel, broker
+                self.url = url
+                self._tracker = AckTracker()  # one per channel: tags never outlive their channel
+                self._new_channel()
+                self._resubscribe = []
+                for consumer in self.consumers:
+                    self._consume(channel, consumer)
+        except BaseException:
+            self._conn = self._channel = self._publisher = None
+            close_quietly(conn)
+            raise
+        self.started.set()
+        self.ever_started = True
+
+    def _consume(self, channel: BlockingChannel, consumer: Consumer) -> str:
+        queue_name = self.app.topology.names.business_queue(consumer.queue)
+        tag: str = channel.basic_consume(
+            queue_name, partial(self._on_message, consumer), auto_ack=False
+        )
+        self._by_tag[tag] = consumer
+        return tag
+
+    def _on_cancel(self, frame: Any) -> None:
+        """basic.cancel from the broker (pika calls this while dispatching events)."""
+        stopping = self._stopping or self._stop.is_set()
+        again = self._consumer_cancelled(str(frame.method.consumer_tag), self._broker, stopping)
+        if again is not None:  # consumed again from the loop, outside pika's dispatch
+            self._resubscribe.append(again)
+
+    def _consume_again(self) -> None:
+        channel = self._channel
+        assert channel is not None
+        while self._resubscribe and not self._stopping:
+            consumer = self._resubscribe.pop(0)
+            tag = self._consume(channel, consumer)
+            log.info("%s: consuming again (consumer tag %s)", consumer.queue, tag)
+
+    def _lost(self) -> None:
+        self.stats.reconnects += 1
+        self.started.clear()
+        self._gen += 1  # every delivery of the old channel is now stale
+        self._inflight = 0
+        self._wake_pending = False
+        self._close_connection()
+
+    def _reconnect(self) -> None:
+        """Open a new connection, with backoff between rounds; each round tries the URLs
+        after the lost one first (a dead node last)."""
+        delays = self.reconnect_delays()
+        order = self.reconnect_order()
+        while not self._stop.is_set():
+            self.beat()
+            try:
+                self._open(order)
+            except _RECONNECT_ERRORS as exc:
+                delay = next(delays)
+                self.log_reconnect_failed(str(exc) or repr(exc), delay)
+                deadline = time.monotonic() + delay
+                while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
+                    self.beat()  # waiting is what this loop does now: it is alive
+                    self._stop.wait(min(left, 1.0))
+            else:
+                self.log_reconnected()
+                return
+
+    def _close_connection(self) -> None:
+        conn, self._conn, self._channel, self._publisher = self._conn, None, None, None
+        self._resubscribe = []
+        close_quietly(conn)
+
+    def _shutdown(self) -> None:
+        """Cancel consumers, let in-flight handlers finish (up to the timeout), close."""
+        conn, channel = self._conn, self._channel
+        assert conn is not None
+        assert channel is not None
+        self._stopping = True
+        try:
+            for tag in list(self._by_tag):
+                channel.basic_cancel(tag)
+            deadline = time.monotonic() + self.shutdown_timeout
+            while self._inflight > 0 and time.monotonic() < deadline:
+                if self._force.is_set():
+                    break
+                self.beat()
+                conn.process_data_events(time_limit=0.05)
+                self._drain()
+        except _CONNECTION_ERRORS as exc:
+            log.warning("connection lost during shutdown (%s)", self._why(exc))
+            self._gen += 1
+            return
+        if self._inflight:
+            self.log_shutdown_timeout(self._inflight, self._force.is_set())
+        self._gen += 1  # what settles from now on cannot be acked
+        self._close_connection()
+
+    def _wait_running(self) -> None:
+        """After the connection closed: let running handlers record their results in the
+        store (done or released), so it is never closed under one. A forced stop skips
+        this: their claims run out after the lease."""
+        last_note = time.monotonic()
+        while (self._running or self._results) and not self._force.is_set():
+            self.beat()
+            time.sleep(0.05)
+            self._drain()
+            if time.monotonic() - last_note >= 10:
+                last_note = time.monotonic()
+                self.log_still_running(self._running)
+        self._drain()
+
+    def _on_message(
+        self,
+        consumer: Consumer,
+        _channel: BlockingChannel,
+        method: pika.spec.Basic.Deliver,
+        props: pika.spec.BasicProperties,
+        body: bytes,
+    ) -> None:
+        self._inflight += 1
+        self.stats.received += 1
+        tag: int = method.delivery_tag
+        self._tracker.delivered(tag)
+        # Its program runs on the handler threads (and its store steps on the store
+        # thread) up to its first settle step: the connection thread does the I/O.
+        self._running += 1
+        # Even the program is made there: this thread is the worker's bottleneck.
+        fresh = (consumer, props, body, bool(method.redelivered), clock_ms(), self._broker)
+        self._jobs.put((_Live(self._gen, consumer, method.consumer_tag, tag, None), fresh))
+
+    def _stale(self, live: _Live) -> bool:
+        return live.gen != self._gen or live.ctag in self._cancelled
+
+    # -- settling (connection thread) -----------------------------------------------------
+
+    def _drain(self) -> None:
+        """Execute the settle steps the handler threads handed back, then write the acks."""
+        # Reset before draining: a result posted meanwhile either is drained below or
+        # sees the flag down and schedules another wake-up.
+        self._wake_pending = False
+        results = self._results
+        while results:
+            live, kind, value = results.popleft()
+            self._running -= 1
+            if kind is _Back.SETTLED:
+                self._settled(live, value)  # type: ignore[arg-type]
+            else:
+                self._settle(live, value)
+        channel = self._channel
+        if channel is not None and channel.is_open:
+            for tag, multiple in self._tracker.flush():  # acks coalesced where exact
+                channel.basic_ack(tag, multiple=multiple)
+
+    def _settle(self, live: _Live, step: Any) -> None:
+        """Run `live`'s program on from its first settle step, to its end: every step
+        left is a settle step (publish, ack, nack, reject)."""
+        program: Any = live.program
+        while True:
+            reply = STALE if self._stale(live) else self._settle_step(live, step)
+            try:
+                step = program.send(reply)
+            except StopIteration as stop:
+                self._settled(live, stop.value)
+                return
+
+    def _settle_step(self, live: _Live, step: Publish | WriteAck | WriteNack | WriteReject) -> Any:
+        channel = self._channel
+        assert channel is not None
+        if isinstance(step, WriteAck):
+            self._tracker.acked(live.tag)  # written at the end of the drain, coalesced
+            return None
+        if isinstance(step, Publish):
+            return self._publish(step)
+        if isinstance(step, WriteNack):
+            channel.basic_nack(live.tag, multiple=False, requeue=True)
+        else:
+            channel.basic_reject(live.tag, requeue=step.requeue)
+        self._tracker.settled(live.tag)
+        return None
+
+    def _settled(self, live: _Live, settled: Settled) -> None:
+        if live.gen == self._gen:
+            self._inflight -= 1
+            if settled.stale:  # its consumer was cancelled: never acked on this channel
+                self._tracker.settled(live.tag)
+        self.account(settled)
+
+    def _publish(self, step: Publish) -> Exception | None:
+        try:
+            if self._publisher is None:
+                assert self._conn is not None
+                self._publisher = Publisher(
+                    self.app.topology,
+                    connection=self._conn,
+                    blocked_timeout=WORKER_BLOCKED_TIMEOUT_S,
+                ).open()
+            self._publisher.publish_outgoing((step.outgoing,))
+        except (PublishError, BrokerError) as exc:
+            if isinstance(exc, BrokerError):  # its channel is gone: open another next time
+                self._publisher = None
+            return exc
+        return None
+
+    def _wake(self) -> None:
+        conn = self._conn
+        if conn is None:
+            return
+        # A closed connection refuses; the results of its channel are stale anyway.
+        with contextlib.suppress(pika.exceptions.AMQPError, AttributeError):
+            conn.add_callback_threadsafe(self._drain)
+
+    # -- handler threads: the program up to its first settle step ------------------------
+
+    def _start_threads(self) -> None:
+        for i in range(self.concurrency):
+            t = threading.Thread(target=self._work, name=f"rabbit-delay-handler-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        if self._guard is not None and not self._inline_store:
+            store = threading.Thread(
+                target=self._store_work, args=(self._guard,), name="rabbit-delay-store", daemon=True
+            )
+            store.start()
+            self._threads.append(store)
+        if self._guard is not None:
+            self._housekeeper = threading.Thread(
+                target=self._housekeeping,
+                args=(self._guard,),
+                name="rabbit-delay-lease",
+                daemon=True,
+            )
+            self._housekeeper.start()
+
+    def _work(self) -> None:
+        jobs, results = self._jobs, self._results
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            back = self._job(*job)
+            if back is None:
+                continue  # waiting for the store thread
+            results.append(back)
+            if not self._wake_pending:
+                self._wake_pending = True
+                self._wake()
+
+    def _job(self, live: _Live, item: object) -> tuple[_Live, _Back, object] | None:
+        """One job of a handler thread: a fresh delivery (make its program), a step
+        handed over by the store thread, or a reply; then the program up to its next
+        settle step (returned), store step or end."""
+        kind = type(item)
+        if kind is tuple:  # a fresh delivery: make its program
+            fresh: Any = item
+            consumer, props, body, redelivered, received_ms, broker = fresh
+            delivery = Delivery(
+                props.message_id, props.headers, redelivered, body, props.content_type, received_ms
+            )
+            live.program = self.program(consumer, delivery, broker)
+            item = None
+        elif kind is Run or kind is Pause:  # a step handed over by the store thread
+            item = self._execute_here(live, item)  # type: ignore[arg-type]
+        return self._run_here(live, item)
+
+    def _execute_here(self, live: _Live, step: Run | Pause) -> object:
+        """A Run (the handler) or a Pause, on a handler thread."""
+        if type(step) is Pause:
+            time.sleep(step.seconds)  # back-pressure: the store fails
+            return None
+        if self._stale(live):
+            return STALE  # its channel or consumer is gone: the broker redelivers it
+        if self._stopping:
+            return STOPPING
+        run: Any = step
+        try:
+            return call_handler(run.consumer, run.prepared, self.metrics)
+        except BaseException as exc:  # a KeyboardInterrupt-like escape: a failure
+            return RuntimeError(f"handler escaped with {exc!r}")
+
+    def _run_here(
+        self, live: _Live, reply: object, *, handler_thread: bool = True
+    ) -> tuple[_Live, _Back, object] | None:
+        """Run `live`'s program on from `reply` up to its first settle step (returned,
+        for the connection thread) or its end; a store step goes to the store thread,
+        and on the store thread a Run or Pause to a handler thread (None)."""
+        program: Any = live.program
+        while True:
+            try:
+                step: Step = program.send(reply)
+            except StopIteration as stop:
+                return live, _Back.SETTLED, stop.value
+            kind = type(step)
+            if kind is Finish:  # always executed: the handler did run
+                if not self._inline_store:
+                    self._store_ops.put((live, step))  # type: ignore[arg-type]
+                    return None
+                reply = self._finish_now(step)  # type: ignore[arg-type]
+            elif kind is Run or kind is Pause:
+                if not handler_thread:
+                    self._jobs.put((live, step))
+                    return None
+                reply = self._execute_here(live, step)  # type: ignore[arg-type]
+            elif kind is Claim:
+                if self._stale(live):
+                    reply = STALE  # its channel or consumer is gone: redelivered
+                elif self._stopping:
+                    reply = STOPPING
+                elif self._inline_store:
+                    reply = self._claim_now(step)  # type: ignore[arg-type]
+                else:
+                    self._store_ops.put((live, step))  # type: ignore[arg-type]
+                    return None
+            else:
+                return live, _Back.SETTLE, step
+
+    def _claim_now(self, step: Claim) -> object:
+        """A store that never blocks (memory): claimed on the handler thread at once."""
+        assert self._guard is not None
+        return self.claim_now(self._guard, step)
+
+    def _finish_now(self, step: Finish) -> object:
+        assert self._guard is not None
+        return self.finish_now(self._guard, step)
+
+    # -- the store thread ------------------------------------------------------------------
+
+    def _store_work(self, guard: Guard) -> None:
+        """Claims and finishes in batches: all that gathered while the previous batch ran
+        go to the store together (one transaction, one round trip; sqlite3 and the
+        network release the GIL meanwhile). Each program then goes on on a handler thread."""
+        ops = self._store_ops
+        while True:
+            first = ops.get()
+            if first is None:
+                return
+            batch = [first]
+            while len(batch) < STORE_BATCH and not ops.empty():
+                more = ops.get_nowait()
+                if more is None:
+                    ops.put(None)  # stop after this batch
+                    break
+                batch.append(more)
+            finishes = [(live, op) for live, op in batch if type(op) is Finish]
+            claims = [(live, op) for live, op in batch if type(op) is Claim]
+            lost = self.leases.drop_many([op.owner for _, op in finishes])
+            for _, op in finishes:
+                if op.owner in lost:
+                    self.finished_after_lost_lease(op.key)
+            finished, claimed = guard.finish_and_claim_many(
+                [(op.key, op.owner, op.succeeded) for _, op in finishes],
+                [(op.key, op.owner) for _, op in claims],
+            )
+            self.leases.hold_many(
+                [
+                    (op.key, op.owner)
+                    for (_, op), result in zip(claims, claimed, strict=True)
+                    if result is ClaimResult.CLAIMED
+                ],
+                clock_ms(),
+            )
+            # Each program goes on here up to its next Run (for a handler thread) or its
+            # first settle step (for the connection thread, woken once per batch).
+            back = []
+            for (live, _), finish in zip(finishes, finished, strict=True):
+                back.append(self._run_here(live, finish, handler_thread=False))
+            for (live, _), claim in zip(claims, claimed, strict=True):
+                back.append(self._run_here(live, claim, handler_thread=False))
+            settle = [b for b in back if b is not None]
+            if settle:
+                self._results.extend(settle)
+                if not self._wake_pending:
+                    self._wake_pending = True
+                    self._wake()
+
+    def _housekeeping(self, guard: Guard) -> None:
+        """Renew the leases of running handlers; purge expired records now and then. No
+        lock is held across a store round trip."""
+        while not self._done.wait(self.leases.every_ms / 2000):
+            self.renew_due(guard.renew)
+            if guard.store.needs_purge and self.purge_due():
+                try:
+                    guard.purge()
+                except Exception as exc:
+                    log.warning("idempotency purge failed: %r", exc)
+
+    # -- signals -----------------------------------------------------------------------------
+
+    def _install_signals(self) -> Any:
+        if not self.install_signal_handlers:
+            return lambda: None
+
+        def on_signal(name: str) -> None:
+            # Only set flags here: the loop polls them (pika is not reentrant).
+            if self.on_signal(name, self._stop.is_set()):
+                self._force.set()
+            self._stop.set()
+
+        return install_stop_signals(on_signal)
+
+
+def _check_queue(conn: pika.BlockingConnection, queue_name: str) -> None:
+    """Passive declare on a throwaway channel: needs no configure permission."""
+    with mapped(f"checking queue {queue_name!r}", permission="read"):
+        channel = conn.channel()
+        try:
+            channel.queue_declare(queue_name, passive=True)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code != 404:
+                raise
+            raise WorkerBase.missing_queue(queue_name) from None
+        _quietly(channel.close)
+
+
+def _quietly(close: Any) -> None:
+    with contextlib.suppress(*CLIENT_ERRORS):
+        close()
