@@ -55,9 +55,8 @@ import pika.exceptions
 from pydantic import BaseModel
 
 from rabbit_delay import App, AsyncWorker, HandlerContext, Topology, Worker, topology_from_dict
-from rabbit_delay._envelope import encode_body, now_ms
+from rabbit_delay._envelope import encode_body, now_ms, outgoing
 from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topology
-from rabbit_delay._publishing.core import PublisherCore
 from rabbit_delay._stores.redis import DEFAULT_REDIS_URL
 from rabbit_delay._topology.delays import Route
 from rabbit_delay._urls import broker_url, redact
@@ -126,9 +125,7 @@ def fill(url: str, topology: Topology, n: int) -> None:
     body, content_type = encode_body(BODY)
     now = now_ms()
     with Publisher(topology, url) as publisher:
-        publisher.publish_outgoing(
-            PublisherCore.outgoing(route, body, content_type, now) for _ in range(n)
-        )
+        publisher.publish_outgoing(outgoing(route, body, content_type, now) for _ in range(n))
 
 
 class Finish:

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rabbit_delay import Topology, topology_from_dict
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._envelope import JSON, Outgoing
 from rabbit_delay._ops.dashboard.execute import BrokerBackend
 from rabbit_delay._ops.dashboard.server import Dashboard, serve

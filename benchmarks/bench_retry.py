@@ -56,9 +56,8 @@ import aiormq.channel
 import pika
 
 from rabbit_delay import App, AsyncWorker, HandlerContext, Topology, topology_from_dict
-from rabbit_delay._envelope import encode_body, now_ms
+from rabbit_delay._envelope import encode_body, now_ms, outgoing
 from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topology
-from rabbit_delay._publishing.core import PublisherCore
 from rabbit_delay._topology.delays import Route
 from rabbit_delay._urls import redact
 from rabbit_delay.stores import MemoryStore
@@ -107,9 +106,7 @@ def fill(url: str, topology: Topology, queue: str, n: int) -> None:
     body, content_type = encode_body(BODY)
     now = now_ms()
     with Publisher(topology, url) as publisher:
-        publisher.publish_outgoing(
-            PublisherCore.outgoing(route, body, content_type, now) for _ in range(n)
-        )
+        publisher.publish_outgoing(outgoing(route, body, content_type, now) for _ in range(n))
 
 
 def purge(url: str, queue: str) -> None:

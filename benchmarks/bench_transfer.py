@@ -42,7 +42,7 @@ from typing import Any
 
 from rabbit_delay import Topology, topology_from_dict
 from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topology
-from rabbit_delay._ops.transfer.execute import DEFAULT_BATCH, transfer
+from rabbit_delay._ops.transfer.execute import DEFAULT_TRANSFER_BATCH, transfer
 from rabbit_delay._ops.transfer.rules import Transfer
 from rabbit_delay._urls import broker_url, redact
 from rabbit_delay.sync import Publisher, broker_info, connected
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--to-url", default=TARGET_URL, help="target broker (default: 4.3 node)")
     parser.add_argument("--messages", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--batch", type=int, default=DEFAULT_BATCH)
+    parser.add_argument("--batch", type=int, default=DEFAULT_TRANSFER_BATCH)
     parser.add_argument(
         "--target-tiers", action="store_true", help="target without a cascade (tiers only)"
     )

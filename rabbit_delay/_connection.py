@@ -27,6 +27,8 @@ from rabbit_delay._urls import DEFAULT_URL, URL_ENV, broker_urls, redact, vhost_
 DEFAULT_HEARTBEAT_S = 60.0
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_BLOCKED_TIMEOUT_S = 30.0
+# The longest wait between two reconnect rounds.
+DEFAULT_RECONNECT_MAX_S = 30.0
 _DEFAULT_PORTS = {"amqp": 5672, "amqps": 5671}
 
 
@@ -37,7 +39,7 @@ class ReconnectBackoff:
     lockstep. Raises ConfigError for a negative or inverted range."""
 
     initial_s: float = 0.25
-    max_s: float = 30.0
+    max_s: float = DEFAULT_RECONNECT_MAX_S
     jitter: float = 0.2
 
     def __post_init__(self) -> None:

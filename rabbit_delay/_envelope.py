@@ -1,18 +1,30 @@
-"""Message envelope: body encoding and the project's headers, for publish and consume. Pure."""
+"""Messages on the wire: what every outgoing message is built by, and how a delivered one
+is read back. Pure.
+
+Built here and only here: `outgoing(route, ...)` is every message sent through a delay
+(a publish, a retry or deferral, a replay, a transfer, a reconciliation, an outbox row):
+its route, body, headers, due times and attempt; `forward(...)` is a stored copy sent on
+as it is (to a parking lot, or a catch-all message rerouted). `with_trace_context` puts
+a publish span's W3C trace context into the messages that carry none. `Envelope` is
+what a consumer reads back (attempt, due time, crash and deferral counts)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._errors import DecodeError, EncodeError
+
+if TYPE_CHECKING:
+    from rabbit_delay._topology.delays import Route
 
 JSON = "application/json"
 BINARY = "application/octet-stream"
@@ -88,7 +100,99 @@ def text_header(value: object) -> str | None:
     """A header read back as text: pika hands strings over as bytes, aiormq as str."""
     if value is None:
         return None
-    return value.decode() if isinstance(value, bytes) else str(value)
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", errors="replace")
+    return str(value)
+
+
+def traceparent_of(headers: Mapping[str, object] | None) -> str | None:
+    """The W3C traceparent a message carries, or None."""
+    return text_header(headers.get(h.H_TRACEPARENT)) if headers else None
+
+
+def outgoing(
+    route: Route,
+    body: bytes,
+    content_type: str,
+    now: int,
+    message_id: str | None = None,
+    headers: Mapping[str, object] | None = None,
+    attempt: int = 1,
+    due_at: int | None = None,
+    requested_ms: int | None = None,
+) -> Outgoing:
+    """The message to send on `route`, at `now` (UTC epoch ms). `due_at` keeps a due time
+    fixed earlier (a moved pending message, a relayed outbox row; default: now + the
+    route's delay), `requested_ms` the delay first asked for (default: the route's).
+
+    `rd-asked-due-at` is the due time asked for: now + the delay asked (before the
+    cascade rounds it up); with a fixed `due_at`, the one its headers carry (the
+    first publish's), else `due_at` itself. Raises EncodeError for a bad message_id."""
+    all_headers: dict[str, object] = dict(headers) if headers else {}
+    all_headers.update(route.headers)
+    if due_at is None:
+        all_headers[h.H_DUE_AT] = now + route.delay_ms
+        all_headers[h.H_ASKED_DUE_AT] = now + route.asked_delay_ms
+    else:
+        all_headers[h.H_DUE_AT] = due_at
+        carried = all_headers.get(h.H_ASKED_DUE_AT)
+        if isinstance(carried, int) and not isinstance(carried, bool) and carried <= due_at:
+            all_headers[h.H_ASKED_DUE_AT] = int(carried)  # pika's `long` subclass, as int
+        else:
+            all_headers[h.H_ASKED_DUE_AT] = due_at
+    all_headers[h.H_DELAY_MS] = requested_ms if requested_ms is not None else route.delay_ms
+    all_headers[h.H_TIER] = route.tier
+    all_headers[h.H_ATTEMPT] = attempt
+    all_headers[h.H_TARGET] = route.target
+    message_id = check_message_id(message_id) if message_id is not None else new_message_id()
+    return Outgoing(
+        exchange=route.exchange_for(message_id),  # a sharded tier: the id's shard
+        routing_key=route.routing_key,
+        body=body,
+        message_id=message_id,
+        content_type=content_type,
+        headers=all_headers,
+        mandatory=route.mandatory,
+        timestamp=now // 1000,
+    )
+
+
+def forward(
+    exchange: str,
+    routing_key: str,
+    body: bytes,
+    content_type: str | None,
+    message_id: str | None,
+    headers: dict[str, object],
+    timestamp_s: int,
+) -> Outgoing:
+    """A stored copy sent on as it is, with `headers` (a parked message, a catch-all
+    message rerouted): mandatory, because a parking lot or a queue that is not bound
+    must fail loudly, not drop it."""
+    return Outgoing(
+        exchange=exchange,
+        routing_key=routing_key,
+        body=body,
+        message_id=message_id or new_message_id(),
+        content_type=content_type or BINARY,
+        headers=headers,
+        mandatory=True,
+        timestamp=timestamp_s,
+    )
+
+
+def with_trace_context(outs: Sequence[Outgoing], carrier: Mapping[str, str]) -> list[Outgoing]:
+    """`outs`, each one that carries no traceparent given the trace headers of `carrier`
+    (a publish span's context); a message that carries one keeps its own (a retry, a
+    forwarded message: every attempt stays in the publisher's trace)."""
+    if h.H_TRACEPARENT not in carrier:
+        return list(outs)
+    return [
+        o
+        if h.H_TRACEPARENT in o.headers
+        else dataclasses.replace(o, headers={**o.headers, **carrier})
+        for o in outs
+    ]
 
 
 @dataclass(frozen=True, slots=True)

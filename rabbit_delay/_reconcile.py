@@ -46,7 +46,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from rabbit_delay._durations import format_ms
-from rabbit_delay._envelope import Body, Outgoing
+from rabbit_delay._envelope import Body, Outgoing, outgoing
 from rabbit_delay._errors import ConfigError, PublishError
 from rabbit_delay._idempotency.guard import ClaimResult
 from rabbit_delay._publishing.core import DelayLike, PublisherCore
@@ -394,7 +394,7 @@ def _resubmission(core: PublisherCore[Any, Any], item: Resubmit, now: int) -> Ou
 
     route = core.router.immediate(core.router.target_key(item.queue, item.routing_key))
     body, content_type = encode_body(item.body)
-    return PublisherCore.outgoing(route, body, content_type, now, item.message_id, item.headers)
+    return outgoing(route, body, content_type, now, item.message_id, item.headers)
 
 
 def count(result: ReconcileResult, metrics: Metrics | None) -> ReconcileResult:

@@ -47,10 +47,10 @@ from rabbit_delay import (
     Retry,
     Topology,
 )
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._broker import BrokerInfo
 from rabbit_delay._idempotency.guard import DEFAULT_PREFIX
-from rabbit_delay._stores.sqlite import DEFAULT_TABLE
+from rabbit_delay._stores.sqlite import DEFAULT_IDEMPOTENCY_TABLE
 from rabbit_delay.stores import ClaimResult, MemoryStore, SQLiteStore
 
 QUEUE = "orders.cancel"
@@ -269,7 +269,7 @@ def stored_state(topology: Topology, message_id: str) -> str | None:
     conn = sqlite3.connect(topology.idempotency.path)
     try:
         row = conn.execute(
-            f"SELECT state FROM {DEFAULT_TABLE} WHERE key = ?",
+            f"SELECT state FROM {DEFAULT_IDEMPOTENCY_TABLE} WHERE key = ?",
             (DEFAULT_PREFIX + store_key(topology, message_id),),
         ).fetchone()
     finally:

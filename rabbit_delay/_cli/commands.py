@@ -28,8 +28,8 @@ from rabbit_delay._cli.app import (
 )
 from rabbit_delay._durations import format_ms, iso_ms, parse_ms
 from rabbit_delay._errors import DeclarationConflict, DurationError
+from rabbit_delay._headers import H_DELAY_MS, H_DUE_AT, H_TIER
 from rabbit_delay._io.management import access_for, observe
-from rabbit_delay._names import H_DELAY_MS, H_DUE_AT, H_TIER
 from rabbit_delay._plan.plan import Action, Plan, PlanItem
 from rabbit_delay._urls import redact
 

@@ -27,10 +27,10 @@ from rabbit_delay._stop_signals import install_stop_signals
 from rabbit_delay._urls import redact
 from rabbit_delay.outbox import DEFAULT_TABLE, Relay, RelayStats
 from rabbit_delay.outbox._core import (
-    DEFAULT_BATCH,
-    DEFAULT_LEASE,
     DEFAULT_MAX_POLL,
     DEFAULT_POLL,
+    DEFAULT_RELAY_BATCH,
+    DEFAULT_RELAY_LEASE,
     DEFAULT_RETENTION,
 )
 
@@ -84,12 +84,12 @@ def relay(
     topology_file: TopologyOpt = None,
     db: DbOpt = None,
     table: TableOpt = DEFAULT_TABLE,
-    batch: BatchOpt = DEFAULT_BATCH,
+    batch: BatchOpt = DEFAULT_RELAY_BATCH,
     once: OnceOpt = False,
     retention: RetentionOpt = DEFAULT_RETENTION,
     poll: PollOpt = DEFAULT_POLL,
     max_poll: MaxPollOpt = DEFAULT_MAX_POLL,
-    lease: LeaseOpt = DEFAULT_LEASE,
+    lease: LeaseOpt = DEFAULT_RELAY_LEASE,
     install: InstallOpt = False,
     metrics_port: MetricsPortOpt = None,
     log_level: LogLevelOpt = LogLevel.INFO,

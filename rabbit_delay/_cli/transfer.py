@@ -41,7 +41,7 @@ from rabbit_delay._urls import redact
 if TYPE_CHECKING:
     from rabbit_delay._ops.transfer.rules import QueueTally, TransferReport
 
-# The default of `rabbit_delay._ops.transfer.execute.DEFAULT_BATCH`, not imported: the CLI
+# The default of `rabbit_delay._ops.transfer.execute.DEFAULT_TRANSFER_BATCH`, not imported: the CLI
 # imports pika only when a command runs.
 _BATCH = 500
 

@@ -13,8 +13,13 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from rabbit_delay._cli.app import UrlOpt, app, errors_to_exit, fail, url_for
+from rabbit_delay._connection import DEFAULT_RECONNECT_MAX_S
 from rabbit_delay._consumer.app import App, Transport
-from rabbit_delay._consumer.worker_base import WorkerBase, WorkerSettings
+from rabbit_delay._consumer.worker_base import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    WorkerBase,
+    WorkerSettings,
+)
 from rabbit_delay._durations import parse_ms
 from rabbit_delay._errors import DurationError
 from rabbit_delay._observe.logs import JsonFormatter, TextFormatter
@@ -183,8 +188,8 @@ def worker(
     concurrency: ConcurrencyOpt = None,
     declare: DeclareOpt = False,
     transport: TransportOpt = TransportChoice.AUTO,
-    shutdown_timeout: ShutdownOpt = "30s",
-    reconnect_max: ReconnectMaxOpt = "30s",
+    shutdown_timeout: ShutdownOpt = f"{DEFAULT_SHUTDOWN_TIMEOUT_S:g}s",
+    reconnect_max: ReconnectMaxOpt = f"{DEFAULT_RECONNECT_MAX_S:g}s",
     app_dir: AppDirOpt = Path("."),
     log_level: LogLevelOpt = LogLevel.INFO,
     log_format: LogFormatOpt = LogFormat.TEXT,

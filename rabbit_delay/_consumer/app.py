@@ -25,7 +25,6 @@ from pydantic import BaseModel, TypeAdapter
 from rabbit_delay._broker import UNKNOWN, BrokerInfo
 from rabbit_delay._consumer.context import HandlerContext, clock_ms
 from rabbit_delay._consumer.decide import (
-    DEFAULT_LEASE_MS,
     Action,
     Outcome,
     QueuePolicy,
@@ -46,7 +45,7 @@ from rabbit_delay._idempotency.guard import (
 from rabbit_delay._reconcile import Reconciler, make_reconciler
 from rabbit_delay._stores.factory import as_async, async_store_from_config, store_from_config
 from rabbit_delay._topology.delays import Router
-from rabbit_delay._topology.model import Topology, load_topology
+from rabbit_delay._topology.model import DEFAULT_LEASE_MS, Topology, load_topology
 
 F = TypeVar("F", bound=Callable[..., Any])
 KeyFunction = Callable[[Any], str]

@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from rabbit_delay._envelope import Envelope
-from rabbit_delay._observe.tracing import traceparent_of
+from rabbit_delay._envelope import Envelope, traceparent_of
 
 
 def clock_ms() -> int:

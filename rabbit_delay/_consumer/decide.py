@@ -41,16 +41,22 @@ from enum import StrEnum
 
 from pydantic import ValidationError
 
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._broker import UNKNOWN, BrokerInfo
 from rabbit_delay._consumer.control import Reject, Retry
 from rabbit_delay._consumer.leases import defer_delay_ms
-from rabbit_delay._envelope import BINARY, Envelope, Outgoing, new_message_id, strip_broker_headers
+from rabbit_delay._envelope import (
+    BINARY,
+    Envelope,
+    Outgoing,
+    forward,
+    outgoing,
+    strip_broker_headers,
+)
 from rabbit_delay._errors import ConfigError, DelayError, UnknownTargetError
 from rabbit_delay._idempotency.guard import ClaimResult
-from rabbit_delay._publishing.core import PublisherCore
 from rabbit_delay._topology.delays import Route, Router
-from rabbit_delay._topology.model import RetryBackend, Topology
+from rabbit_delay._topology.model import DEFAULT_LEASE_MS, RetryBackend, Topology
 
 # Header budget: AMQP headers travel in one frame (frame_max, 128 KiB by default).
 MAX_ERROR_MESSAGE = 1_000
@@ -348,9 +354,6 @@ def format_traceback(exc: BaseException) -> str:
     return _tail("".join(traceback.format_exception(exc)), MAX_TRACEBACK)
 
 
-DEFAULT_LEASE_MS = 30_000
-
-
 def _carried_headers(env: Envelope, crashes: int, deferrals: int) -> dict[str, object]:
     """The delivery's headers for a new copy: the broker's stripped, the crash count
     (across copies) and the deferral count (of this attempt) set."""
@@ -399,15 +402,14 @@ def _park(
     headers[h.H_ORIGINAL_QUEUE] = policy.queue
     headers[h.H_ATTEMPT] = env.attempt
     headers[h.H_PARK_REASON] = reason.value
-    out = Outgoing(
-        exchange=policy.parking_exchange,
-        routing_key=policy.key,
-        body=body,
-        message_id=env.message_id or new_message_id(),
-        content_type=content_type or BINARY,
-        headers=headers,
-        mandatory=True,  # a parking lot that is not bound must fail loudly, not drop
-        timestamp=now_ms // 1000,
+    out = forward(
+        policy.parking_exchange,
+        policy.key,
+        body,
+        content_type,
+        env.message_id,
+        headers,
+        now_ms // 1000,
     )
     return Park(out, reason, f"{error_type}: {_truncate(message, 200)}")
 
@@ -429,7 +431,7 @@ def _same_attempt(
     message_id and headers (the broker's stripped): it comes back after that delay,
     uncounted by any broker."""
     headers = _carried_headers(env, crashes, deferrals)
-    out = PublisherCore.outgoing(
+    out = outgoing(
         route or policy.defer_route,
         body,
         content_type or BINARY,
@@ -577,7 +579,7 @@ def decide(
         delay_ms = policy.retry.broker_delay_ms(env.delivery_count + 1)
         return BrokerRetry(env.attempt + 1, delay_ms, summary)
     headers = _failure_headers(env, policy, now_ms, error_type, message, crashes)
-    out = PublisherCore.outgoing(
+    out = outgoing(
         route, body, content_type or BINARY, now_ms, env.message_id, headers, env.attempt + 1
     )
     return Republish(out, RepublishReason.RETRY, env.attempt + 1, summary)

@@ -57,8 +57,8 @@ from rabbit_delay._consumer.decide import (
 )
 from rabbit_delay._consumer.leases import lost_deliveries, may_have_run
 from rabbit_delay._envelope import Outgoing, text_header
+from rabbit_delay._headers import H_TIER
 from rabbit_delay._idempotency.guard import ClaimResult
-from rabbit_delay._names import H_TIER
 from rabbit_delay._observe.logs import delivery_fields
 
 log = logging.getLogger("rabbit_delay.worker")

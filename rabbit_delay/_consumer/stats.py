@@ -24,7 +24,7 @@ from rabbit_delay._consumer.decide import (
 )
 from rabbit_delay._durations import format_ms
 from rabbit_delay._envelope import text_header
-from rabbit_delay._names import H_ASKED_DUE_AT, H_DELAY_MS, H_DUE_AT, H_TIER
+from rabbit_delay._headers import H_ASKED_DUE_AT, H_DELAY_MS, H_DUE_AT, H_TIER
 from rabbit_delay._observe.logs import delivery_fields
 from rabbit_delay._topology.delays import CASCADE, IMMEDIATE, PLUGIN
 

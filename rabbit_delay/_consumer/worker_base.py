@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("rabbit_delay.worker")
 
 PURGE_EVERY_S = 600.0
+# How long running handlers get to finish once a worker is asked to stop.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 _NO_SPAN = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
@@ -89,7 +91,7 @@ class WorkerBase:
         prefetch: int | None = None,
         concurrency: int | None = None,
         declare: bool = False,
-        shutdown_timeout: float = 30.0,
+        shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
         reconnect_max_s: float | None = None,
         connection_settings: ConnectionSettings | None = None,
         name: str | None = None,

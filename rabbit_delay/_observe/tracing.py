@@ -49,7 +49,9 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
+from rabbit_delay._envelope import text_header as text
+from rabbit_delay._envelope import with_trace_context
 
 if TYPE_CHECKING:
     from rabbit_delay._consumer.app import Consumer
@@ -107,20 +109,6 @@ def active() -> OpenTelemetry | None:
         return None
     _otel = otel = OpenTelemetry()
     return otel
-
-
-def text(value: object) -> str | None:
-    """A header value as text (aiormq may hand out bytes)."""
-    if value is None:
-        return None
-    if isinstance(value, bytes | bytearray):
-        return bytes(value).decode("utf-8", errors="replace")
-    return str(value)
-
-
-def traceparent_of(headers: Mapping[str, object] | None) -> str | None:
-    """The W3C traceparent a message carries, or None."""
-    return text(headers.get(h.H_TRACEPARENT)) if headers else None
 
 
 def _int(value: object) -> int | None:
@@ -208,14 +196,15 @@ class OpenTelemetry:
             return list(outs), span
         carrier: dict[str, str] = {}
         self._propagate.inject(carrier, context=self._trace.set_span_in_context(span))
-        if h.H_TRACEPARENT not in carrier:  # no valid context (no SDK, nothing current)
-            return list(outs), span
-        return [
-            o
-            if h.H_TRACEPARENT in o.headers
-            else dataclasses.replace(o, headers={**o.headers, **carrier})
-            for o in outs
-        ], span
+        # no valid context (no SDK, nothing current): the carrier holds no traceparent
+        return with_trace_context(outs, carrier), span
+
+    def end_publish(self, span: Any, ledger: Ledger, failure: RabbitDelayError | None) -> None:
+        """The end of a publish call's span: an error status when the call failed."""
+        if failure is not None:
+            self.fail(span, failure)
+            span.set_attribute("rabbit_delay.confirmed", ledger.confirmed)
+        span.end()
 
     # -- consuming -----------------------------------------------------------------------
 
@@ -374,13 +363,4 @@ class OpenTelemetry:
         span.end()
 
 
-def end_publish(span: Any, ledger: Ledger, failure: RabbitDelayError | None) -> None:
-    """The end of a publish call's span: an error status when the call failed."""
-    otel = _otel
-    if otel is not None and failure is not None:
-        otel.fail(span, failure)
-        span.set_attribute("rabbit_delay.confirmed", ledger.confirmed)
-    span.end()
-
-
-__all__ = ["active", "configure", "traceparent_of"]
+__all__ = ["OpenTelemetry", "active", "configure"]

@@ -36,7 +36,6 @@ from rabbit_delay._errors import (
 log = logging.getLogger("rabbit_delay.publisher")
 
 DEFAULT_RECOVERY_TIMEOUT_S = 30.0
-DEFAULT_BLOCKED_TIMEOUT_S = 30.0
 # A worker's retry publish must not hold its connection for long while the broker is
 # blocked: past this, the delivery program's publish-failure policy applies.
 WORKER_BLOCKED_TIMEOUT_S = 5.0

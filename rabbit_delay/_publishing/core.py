@@ -11,25 +11,22 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Generic, TypedDict, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypedDict, TypeVar
 
-from rabbit_delay import _names as h
-from rabbit_delay._connection import ConnectionSettings
+from rabbit_delay import _headers as h
+from rabbit_delay._connection import DEFAULT_BLOCKED_TIMEOUT_S, ConnectionSettings
 from rabbit_delay._durations import DurationLike, format_ms, iso, parse_ms
 from rabbit_delay._envelope import (
     Body,
     Outgoing,
-    check_message_id,
     encode_body,
-    new_message_id,
     now_ms,
+    outgoing,
 )
 from rabbit_delay._errors import ConfigError, DelayError, DurationError, RabbitDelayError
-from rabbit_delay._observe import tracing
 from rabbit_delay._publishing.confirms import (
-    DEFAULT_BLOCKED_TIMEOUT_S,
     DEFAULT_RECOVERY_TIMEOUT_S,
     WORKER_BLOCKED_TIMEOUT_S,
     Ledger,
@@ -68,6 +65,27 @@ OneT = TypeVar("OneT")
 ManyT = TypeVar("ManyT")
 
 
+class PublishTracer(Protocol):
+    """Spans of publish calls (rabbit_delay._observe.tracing.OpenTelemetry): handed in by
+    the transport, so the core imports no tracing."""
+
+    def start_publish(self, outs: Sequence[Outgoing]) -> tuple[list[Outgoing], Any]:
+        """The call's span (or None) and the messages to send, trace context added."""
+        ...
+
+    def end_publish(self, span: Any, ledger: Ledger, failure: RabbitDelayError | None) -> None:
+        """End the call's span (an error status when it failed)."""
+        ...
+
+
+# What a publisher asks, on each call, for the tracer to use (None: no spans).
+TracerSource = Callable[[], PublishTracer | None]
+
+
+def _no_tracer() -> None:
+    return None
+
+
 class PublisherOptions(TypedDict, total=False):
     """The keyword options of both publishers (`__init__` and `connect`); see
     docs/publishing.md."""
@@ -100,6 +118,7 @@ class PublisherCore(Generic[OneT, ManyT]):
         metrics: Metrics | None = None,
         recovery_timeout: DurationLike = DEFAULT_RECOVERY_TIMEOUT_S,
         blocked_timeout: DurationLike | None = None,
+        tracer: TracerSource | None = None,
     ) -> None:
         if borrowed and url is not None:
             raise ConfigError(
@@ -110,6 +129,8 @@ class PublisherCore(Generic[OneT, ManyT]):
             raise ConfigError(f"window must be a whole number of at least 1, got {window!r}")
         self.topology = topology
         self.router = Router(topology)
+        # asked on each call: the application may import OpenTelemetry at any time
+        self.tracer: TracerSource = tracer if tracer is not None else _no_tracer
         self.metrics = metrics
         self.url = url
         self.settings = settings
@@ -142,10 +163,10 @@ class PublisherCore(Generic[OneT, ManyT]):
     def ledger(self, messages: Iterable[Outgoing]) -> Ledger:
         """The ledger of one call. Where the application uses OpenTelemetry, the call's
         publish span starts here and its trace context goes into every message that
-        carries none yet (rabbit_delay._observe.tracing)."""
+        carries none yet (the `tracer` the transport handed in)."""
         outs = list(messages)
         span = None
-        tracer = tracing.active()
+        tracer = self.tracer()
         if tracer is not None and outs:
             outs, span = tracer.start_publish(outs)
         ledger = Ledger(outs)
@@ -190,7 +211,12 @@ class PublisherCore(Generic[OneT, ManyT]):
         failure = ledger.failure() if error is None else ledger.error_for(error)
         self.record(ledger, failure)
         if ledger.trace is not None:
-            tracing.end_publish(ledger.trace, ledger, failure)
+            tracer = self.tracer()
+            if tracer is not None:
+                tracer.end_publish(ledger.trace, ledger, failure)
+            else:  # tracing turned off during the call: end the span all the same
+                span: Any = ledger.trace
+                span.end()
         return failure
 
     def record(self, ledger: Ledger, error: RabbitDelayError | None = None) -> None:
@@ -287,7 +313,7 @@ class PublisherCore(Generic[OneT, ManyT]):
         """Validate and encode every message (one target and delay) before any is sent."""
         now = self.now()
         route = self.route(tier, queue=queue, routing_key=routing_key, delay=delay, at=at, now=now)
-        return [self.outgoing(route, *encode_body(m), now) for m in messages]
+        return [outgoing(route, *encode_body(m), now) for m in messages]
 
     def route(
         self,
@@ -339,51 +365,4 @@ class PublisherCore(Generic[OneT, ManyT]):
         now = self.now()
         route = self.route(tier, queue=queue, routing_key=routing_key, delay=delay, at=at, now=now)
         body, content_type = encode_body(msg)
-        return self.outgoing(route, body, content_type, now, message_id, headers, attempt)
-
-    @staticmethod
-    def outgoing(
-        route: Route,
-        body: bytes,
-        content_type: str,
-        now: int,
-        message_id: str | None = None,
-        headers: Mapping[str, object] | None = None,
-        attempt: int = 1,
-        due_at: int | None = None,
-        requested_ms: int | None = None,
-    ) -> Outgoing:
-        """The message to send on `route`. `due_at` keeps a due time fixed earlier (a
-        moved pending message, a relayed outbox row; default: now + the route's delay),
-        `requested_ms` the delay first asked for (default: the route's).
-
-        `rd-asked-due-at` is the due time asked for: now + the delay asked (before the
-        cascade rounds it up); with a fixed `due_at`, the one its headers carry (the
-        first publish's), else `due_at` itself."""
-        all_headers: dict[str, object] = dict(headers) if headers else {}
-        all_headers.update(route.headers)
-        if due_at is None:
-            all_headers[h.H_DUE_AT] = now + route.delay_ms
-            all_headers[h.H_ASKED_DUE_AT] = now + route.asked_delay_ms
-        else:
-            all_headers[h.H_DUE_AT] = due_at
-            carried = all_headers.get(h.H_ASKED_DUE_AT)
-            if isinstance(carried, int) and not isinstance(carried, bool) and carried <= due_at:
-                all_headers[h.H_ASKED_DUE_AT] = int(carried)  # pika's `long` subclass, as int
-            else:
-                all_headers[h.H_ASKED_DUE_AT] = due_at
-        all_headers[h.H_DELAY_MS] = requested_ms if requested_ms is not None else route.delay_ms
-        all_headers[h.H_TIER] = route.tier
-        all_headers[h.H_ATTEMPT] = attempt
-        all_headers[h.H_TARGET] = route.target
-        message_id = check_message_id(message_id) if message_id is not None else new_message_id()
-        return Outgoing(
-            exchange=route.exchange_for(message_id),  # a sharded tier: the id's shard
-            routing_key=route.routing_key,
-            body=body,
-            message_id=message_id,
-            content_type=content_type,
-            headers=all_headers,
-            mandatory=route.mandatory,
-            timestamp=now // 1000,
-        )
+        return outgoing(route, body, content_type, now, message_id, headers, attempt)

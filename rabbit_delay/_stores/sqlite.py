@@ -29,7 +29,7 @@ from rabbit_delay._io.sql import check_table_name, is_busy, require_sqlite_trans
 
 T = TypeVar("T")
 
-DEFAULT_TABLE = "rabbit_delay_idempotency"
+DEFAULT_IDEMPOTENCY_TABLE = "rabbit_delay_idempotency"
 # UPSERT (ON CONFLICT DO UPDATE) arrived in SQLite 3.24.
 _MIN_SQLITE = (3, 24, 0)
 _PURGE_SLICE = 2_000
@@ -151,7 +151,7 @@ class SQLiteStore:
         path: str | Path,
         *,
         prefix: str = DEFAULT_PREFIX,
-        table: str = DEFAULT_TABLE,
+        table: str = DEFAULT_IDEMPOTENCY_TABLE,
         busy_timeout_s: float = 5.0,
     ) -> None:
         check_table_name(table)

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 from rabbit_delay._durations import MAX_TTL_MS, format_ms, negative
 from rabbit_delay._errors import DelayError, UnknownTargetError
-from rabbit_delay._names import CASCADE_KIND, H_PLUGIN_DELAY
+from rabbit_delay._headers import H_PLUGIN_DELAY
+from rabbit_delay._names import CASCADE_KIND
 from rabbit_delay._topology.model import Topology
 
 # AMQP 0-9-1 short strings: routing keys are limited to 255 bytes.

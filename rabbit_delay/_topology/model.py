@@ -237,6 +237,9 @@ class ScalingConfig(_Model):
 
 
 DEFAULT_IDEMPOTENCY_FILE = "rabbit-delay-idempotency.sqlite3"
+# How long a claim holds a key unrenewed, and how long a handled key is remembered.
+DEFAULT_LEASE_MS = 30_000
+DEFAULT_RETENTION_MS = 7 * 86_400_000
 # The validation context key naming the directory a relative idempotency path is
 # resolved against: the topology file's directory, set by `load_topology`.
 BASE_DIR_CONTEXT = "base_dir"
@@ -259,8 +262,8 @@ class IdempotencyConfig(_Model):
     store: Literal["sqlite", "memory", "redis"] = "sqlite"
     path: str = Field(default=DEFAULT_IDEMPOTENCY_FILE, min_length=1, validate_default=True)
     url: str = "redis://127.0.0.1:6379/0"
-    lease: Duration = Field(default=30_000, gt=0)
-    retention: Duration = Field(default=7 * 86_400_000, gt=0)
+    lease: Duration = Field(default=DEFAULT_LEASE_MS, gt=0)
+    retention: Duration = Field(default=DEFAULT_RETENTION_MS, gt=0)
 
     @field_validator("path")
     @classmethod

@@ -31,6 +31,7 @@ from pamqp.commands import Basic
 from rabbit_delay._connection import ConnectionSettings, failover_order
 from rabbit_delay._envelope import Outgoing
 from rabbit_delay._errors import RabbitDelayError
+from rabbit_delay._observe import tracing
 from rabbit_delay._publishing.confirms import (
     BlockedState,
     Ledger,
@@ -131,7 +132,9 @@ class AsyncPublisher(PublisherCore[Coroutine[Any, Any, str], Coroutine[Any, Any,
         connection: AbstractConnection | None = None,
         **options: Unpack[PublisherOptions],
     ) -> None:
-        super().__init__(topology, url, borrowed=connection is not None, **options)
+        super().__init__(
+            topology, url, borrowed=connection is not None, tracer=tracing.active, **options
+        )
         self.connection = connection
         self._channel: AbstractChannel | None = None
         self._owner: AbstractAioChannel | None = None  # the aio-pika channel owning `_channel`

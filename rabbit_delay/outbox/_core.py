@@ -18,7 +18,14 @@ from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from rabbit_delay._envelope import Body, Outgoing, check_message_id, encode_body, new_message_id
+from rabbit_delay._envelope import (
+    Body,
+    Outgoing,
+    check_message_id,
+    encode_body,
+    new_message_id,
+)
+from rabbit_delay._envelope import outgoing as envelope_outgoing
 from rabbit_delay._errors import ConfigError, EncodeError, PublishError
 from rabbit_delay._publishing.confirms import Ledger, State
 from rabbit_delay._publishing.core import DelayLike, PublisherCore
@@ -26,7 +33,7 @@ from rabbit_delay._topology.delays import Router
 from rabbit_delay._urls import redact
 
 DEFAULT_TABLE = "rabbit_delay_outbox"
-DEFAULT_BATCH = 1_000
+DEFAULT_RELAY_BATCH = 1_000
 DEFAULT_RETENTION = "7d"
 DEFAULT_POLL = "200ms"  # the first wait of an idle relay, doubling up to DEFAULT_MAX_POLL
 DEFAULT_MAX_POLL = "2s"
@@ -34,7 +41,7 @@ DEFAULT_CLEANUP_INTERVAL = "1m"
 # SQLite: how long a relay's claim on rows lasts. Longer than a publish can take (the
 # publisher's 30 s recovery deadline, then a blocked broker's 30 s): rows of a relay
 # that died are taken again after it.
-DEFAULT_LEASE = "90s"
+DEFAULT_RELAY_LEASE = "90s"
 # A row the relay cannot publish (its target gone from the topology, returned as
 # unroutable) is tried again after 1 s, 2 s, 4 s ... at most 5 minutes, and stays in
 # the table, its error in `last_error`, until a relay publishes it.
@@ -157,7 +164,7 @@ def outgoing(router: Router, row: Row, now: int) -> Outgoing:
     key = router.target_key(row.queue, row.routing_key)
     remaining = min(row.due_at - now, row.delay_ms)
     route = router.resolve_remaining(key, remaining)
-    return PublisherCore.outgoing(
+    return envelope_outgoing(
         route,
         row.body,
         row.content_type,

@@ -28,7 +28,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 from urllib.parse import quote
 
-from rabbit_delay._connection import ConnectionSettings, ReconnectBackoff
+from rabbit_delay._connection import DEFAULT_BLOCKED_TIMEOUT_S, ConnectionSettings, ReconnectBackoff
 from rabbit_delay._durations import DurationLike, parse_ms
 from rabbit_delay._envelope import now_ms
 from rabbit_delay._errors import (
@@ -40,17 +40,17 @@ from rabbit_delay._errors import (
     UnroutableError,
 )
 from rabbit_delay._io.sql import check_table_name
-from rabbit_delay._publishing.confirms import DEFAULT_BLOCKED_TIMEOUT_S, DEFAULT_RECOVERY_TIMEOUT_S
+from rabbit_delay._publishing.confirms import DEFAULT_RECOVERY_TIMEOUT_S
 from rabbit_delay._topology.delays import Router
 from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import redact
 from rabbit_delay.outbox import _sql
 from rabbit_delay.outbox._core import (
-    DEFAULT_BATCH,
     DEFAULT_CLEANUP_INTERVAL,
-    DEFAULT_LEASE,
     DEFAULT_MAX_POLL,
     DEFAULT_POLL,
+    DEFAULT_RELAY_BATCH,
+    DEFAULT_RELAY_LEASE,
     DEFAULT_RETENTION,
     DEFAULT_TABLE,
     POSTGRESQL,
@@ -144,12 +144,12 @@ class Relay:
         url: URLs | None = None,
         publisher: Publisher | None = None,
         table: str = DEFAULT_TABLE,
-        batch: int = DEFAULT_BATCH,
+        batch: int = DEFAULT_RELAY_BATCH,
         poll: DurationLike = DEFAULT_POLL,
         max_poll: DurationLike = DEFAULT_MAX_POLL,
         retention: DurationLike = DEFAULT_RETENTION,
         cleanup_interval: DurationLike = DEFAULT_CLEANUP_INTERVAL,
-        lease: DurationLike = DEFAULT_LEASE,
+        lease: DurationLike = DEFAULT_RELAY_LEASE,
         metrics: Metrics | None = None,
         settings: ConnectionSettings | None = None,
         clock: Callable[[], int] = now_ms,

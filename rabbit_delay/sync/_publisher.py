@@ -29,6 +29,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 from rabbit_delay._connection import ConnectionSettings, failover_order
 from rabbit_delay._envelope import Outgoing
 from rabbit_delay._errors import BrokerBlocked, RabbitDelayError
+from rabbit_delay._observe import tracing
 from rabbit_delay._publishing.confirms import (
     BlockedState,
     Ledger,
@@ -97,7 +98,9 @@ class Publisher(PublisherCore[str, list[str]]):
         connection: pika.BlockingConnection | None = None,
         **options: Unpack[PublisherOptions],
     ) -> None:
-        super().__init__(topology, url, borrowed=connection is not None, **options)
+        super().__init__(
+            topology, url, borrowed=connection is not None, tracer=tracing.active, **options
+        )
         self.connection = connection
         self._channel: BlockingChannel | None = None
         self._impl: Any = None  # the non-blocking channel underneath: see module docstring

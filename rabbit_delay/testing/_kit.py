@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from rabbit_delay._consumer.app import App
 from rabbit_delay._consumer.stats import WorkerStats
+from rabbit_delay._consumer.worker_base import DEFAULT_SHUTDOWN_TIMEOUT_S
 from rabbit_delay._durations import DurationLike
 from rabbit_delay._errors import ConfigError
 from rabbit_delay._idempotency.guard import IdempotencyStore
@@ -58,7 +59,7 @@ class TestBroker:
         queues: Sequence[str] | None = None,
         concurrency: int | None = None,
         prefetch: int | None = None,
-        shutdown_timeout: float = 30.0,
+        shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
         metrics: Metrics | None = None,
     ) -> None:
         self.app = app if isinstance(app, App) else None

@@ -10,6 +10,7 @@ from typing import Any, Generic, TypeVar, Unpack
 
 from rabbit_delay._envelope import Outgoing
 from rabbit_delay._errors import RabbitDelayError
+from rabbit_delay._observe import tracing
 from rabbit_delay._publishing.core import PublisherCore, PublisherOptions
 from rabbit_delay._topology.model import Topology
 from rabbit_delay.testing._broker import NO_ROUTE, MemoryBroker
@@ -46,7 +47,7 @@ class _OnMemoryBroker(PublisherCore[OneT, ManyT], Generic[OneT, ManyT]):
     def __init__(
         self, topology: Topology, broker: MemoryBroker, **options: Unpack[PublisherOptions]
     ) -> None:
-        super().__init__(topology, borrowed=True, **options)
+        super().__init__(topology, borrowed=True, tracer=tracing.active, **options)
         self.broker = broker
 
     def now(self) -> int:

@@ -53,7 +53,12 @@ from rabbit_delay._consumer.delivery import (
     WriteNack,
     WriteReject,
 )
-from rabbit_delay._consumer.worker_base import WorkerBase, call_async_handler, call_handler
+from rabbit_delay._consumer.worker_base import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    WorkerBase,
+    call_async_handler,
+    call_handler,
+)
 from rabbit_delay._errors import BrokerError, ConfigError, PublishError
 from rabbit_delay._idempotency.guard import ClaimResult, Guard, IdempotencyStore
 from rabbit_delay._stores.memory import MemoryStore
@@ -173,7 +178,7 @@ class MemoryWorker(WorkerBase):
         prefetch: int | None = None,
         concurrency: int | None = None,
         declare: bool = False,
-        shutdown_timeout: float = 30.0,
+        shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
         name: str | None = None,
         metrics: Metrics | None = None,
     ) -> None:

@@ -21,7 +21,7 @@ import pytest
 from conftest import message_count
 
 from rabbit_delay import DelayError, Topology, topology_from_dict
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._envelope import Outgoing, now_ms
 from rabbit_delay._topology import delays
 from rabbit_delay.sync import Publisher, connect, declare

@@ -30,7 +30,7 @@ import pytest
 from conftest import MakeTopology, message_count, wait_for
 
 from rabbit_delay import Topology
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._envelope import JSON, Outgoing
 from rabbit_delay._ops.dashboard.execute import BrokerBackend
 from rabbit_delay._ops.dashboard.rules import TOKEN_HEADER, Auth

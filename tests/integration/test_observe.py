@@ -18,7 +18,7 @@ from conftest import Spans, wait_for
 from prometheus_client import CollectorRegistry
 
 from rabbit_delay import App, HandlerContext, Reject, Retry, Topology
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._observe import tracing
 from rabbit_delay.metrics import Metrics
 from rabbit_delay.stores import MemoryStore

@@ -22,7 +22,7 @@ from conftest import MakeTopology, delete_topology, unique_namespace, wait_for
 from typer.testing import CliRunner, Result
 
 from rabbit_delay import Topology, topology_from_dict
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._broker import BrokerInfo
 from rabbit_delay._cli.app import app, load_commands
 from rabbit_delay._cli.ops import EXIT_ATTENTION

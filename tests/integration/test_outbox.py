@@ -32,7 +32,7 @@ import pytest
 from conftest import message_count, wait_for
 
 from rabbit_delay import ConfigError, DuplicateMessageError, OutboxError, Topology
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay.outbox import Outbox, Relay
 from rabbit_delay.sync import connect, declare
 

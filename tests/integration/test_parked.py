@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from conftest import MakeTopology
 
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._envelope import BINARY, JSON, Outgoing
 from rabbit_delay.sync import Publisher
 

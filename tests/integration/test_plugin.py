@@ -41,7 +41,7 @@ from rabbit_delay import (
     aio,
     topology_from_dict,
 )
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._broker import BrokerInfo
 from rabbit_delay._io.management import read_observed
 from rabbit_delay._plan.plan import ExchangeSpec, Operation, QueueSpec, SupportsType, desired

@@ -20,7 +20,7 @@ import pytest
 from conftest import message_count, wait_for
 
 from rabbit_delay import App, HandlerContext, Topology
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._io.management import read_observed
 from rabbit_delay._ops.replay.execute import replay_parked
 from rabbit_delay._ops.status.execute import read_status

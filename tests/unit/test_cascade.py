@@ -19,7 +19,8 @@ from rabbit_delay import (
     load_topology,
     topology_from_dict,
 )
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
+from rabbit_delay._envelope import outgoing
 from rabbit_delay._plan.plan import BindingSpec, Desired, ExchangeSpec, Kind, QueueSpec, desired
 from rabbit_delay._publishing.core import PublisherCore
 from rabbit_delay._topology import delays
@@ -248,7 +249,7 @@ def test_long_destinations_need_an_alias(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_outgoing_headers_carry_the_due_time_and_the_applied_delay() -> None:
     core = PublisherCore(make())
     route = core.route(queue="push", delay=1.2)
-    out = core.outgoing(route, b"x", "application/octet-stream", now=1_000)
+    out = outgoing(route, b"x", "application/octet-stream", now=1_000)
     assert out.headers[h.H_DUE_AT] == 3_000
     assert out.headers[h.H_DELAY_MS] == 2_000
     assert out.headers[h.H_TIER] == CASCADE

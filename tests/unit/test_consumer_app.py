@@ -9,7 +9,7 @@ import pytest
 from pydantic import BaseModel
 
 from rabbit_delay import App, ConfigError, HandlerContext, Topology, topology_from_dict
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._consumer.app import Prepared, Transport
 from rabbit_delay._consumer.decide import Park, ParkReason
 from rabbit_delay._consumer.stats import WorkerMetrics, WorkerStats, log_action

@@ -8,7 +8,7 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from rabbit_delay import ConfigError, Reject, Retry, Topology, topology_from_dict
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._broker import UNKNOWN, BrokerInfo
 from rabbit_delay._consumer.decide import (
     ACK,

@@ -10,7 +10,7 @@ import pytest
 from pydantic import BaseModel
 
 from rabbit_delay import App, ConfigError, PublishError, topology_from_dict
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._broker import UNKNOWN, BrokerInfo
 from rabbit_delay._consumer.app import NOT_DECODED, scoped_key
 from rabbit_delay._consumer.decide import (

@@ -16,7 +16,7 @@ from rabbit_delay import (
     NackError,
     UnroutableError,
 )
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._observe.metrics import (
     NO_TIER,
     OTHER_TIER,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._names import Names
 
 N = Names("shop", 1)

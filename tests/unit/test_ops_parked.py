@@ -11,7 +11,7 @@ from decimal import Decimal
 import pytest
 
 from rabbit_delay import ConfigError
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._ops.parked.rules import (
     ParkedItem,
     check_page,

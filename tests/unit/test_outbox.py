@@ -24,7 +24,7 @@ from rabbit_delay import (
     UnknownTargetError,
     topology_from_dict,
 )
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._publishing.confirms import Ledger, State
 from rabbit_delay._topology.delays import IMMEDIATE, Router
 from rabbit_delay.outbox import Outbox, parse_database

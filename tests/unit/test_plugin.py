@@ -16,9 +16,10 @@ from rabbit_delay import (
     Topology,
     topology_from_dict,
 )
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._broker import BrokerInfo
 from rabbit_delay._durations import MAX_TTL_MS
+from rabbit_delay._envelope import outgoing
 from rabbit_delay._plan.plan import (
     UNKNOWN_EXCHANGE_TYPE,
     Action,
@@ -261,7 +262,7 @@ def test_outgoing_message_carries_x_delay_as_an_integer() -> None:
 def test_due_at_is_publish_time_plus_delay() -> None:
     core = PublisherCore(make())
     route = core.route(queue="push", delay=3)
-    out = core.outgoing(route, b"x", "application/octet-stream", now=10_000)
+    out = outgoing(route, b"x", "application/octet-stream", now=10_000)
     assert out.headers[h.H_DUE_AT] == 13_000
 
 

@@ -17,7 +17,7 @@ from rabbit_delay import (
     Resubmit,
     topology_from_dict,
 )
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._consumer.app import Transport
 from rabbit_delay._envelope import Outgoing
 from rabbit_delay._reconcile import (

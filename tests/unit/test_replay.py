@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from rabbit_delay import DelayError, Topology, UnknownTargetError, topology_from_dict
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._envelope import BINARY, JSON, strip_broker_headers
 from rabbit_delay._ops.replay.rules import (
     IMMEDIATE,

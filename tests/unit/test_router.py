@@ -11,7 +11,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from rabbit_delay import DelayError, PublishError, Topology, UnknownTargetError, topology_from_dict
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
+from rabbit_delay._envelope import outgoing
 from rabbit_delay._publishing.core import PublisherCore
 from rabbit_delay._topology import delays
 from rabbit_delay._topology.delays import Route, Router
@@ -298,7 +299,7 @@ def test_worker_retries_and_replays_through_a_sharded_tier_shard_by_id(sharded: 
         mid = f"m{i}"
         out = replay.outgoing(Stored(b"{}", mid, "application/json"), 1_000)
         assert out.exchange == SHARDS_5M[delays.shard_index(mid, 4)]
-        retried = PublisherCore.outgoing(retry, b"{}", "application/json", 1_000, mid)
+        retried = outgoing(retry, b"{}", "application/json", 1_000, mid)
         assert retried.exchange == out.exchange
 
 
@@ -353,7 +354,7 @@ def test_remaining_is_exact_through_a_cascade() -> None:
 
 def test_outgoing_keeps_a_fixed_due_time(topology: Topology) -> None:
     route = Router(topology).resolve_remaining(topology.names.queue_key("push"), 60_000)
-    out = PublisherCore.outgoing(
+    out = outgoing(
         route, b"{}", "application/json", 1_000, "id-1", due_at=61_000, requested_ms=90_000
     )
     assert out.headers[h.H_DUE_AT] == 61_000
@@ -376,7 +377,7 @@ def cascaded() -> Topology:
 
 
 def test_a_tier_is_scheduled_exactly_as_asked(core: PublisherCore) -> None:
-    out = core.outgoing(core.route("5m", queue="push"), b"x", "application/json", 1_000)
+    out = outgoing(core.route("5m", queue="push"), b"x", "application/json", 1_000)
     assert out.headers[h.H_DUE_AT] == out.headers[h.H_ASKED_DUE_AT] == 301_000
 
 
@@ -384,7 +385,7 @@ def test_the_cascade_rounds_the_asked_due_time_up() -> None:
     core = PublisherCore(cascaded())
     route = core.route(queue="push", delay=1.2)
     assert (route.delay_ms, route.asked_ms, route.asked_delay_ms) == (2_000, 1_200, 1_200)
-    out = core.outgoing(route, b"x", "application/json", 1_000)
+    out = outgoing(route, b"x", "application/json", 1_000)
     assert (out.headers[h.H_DUE_AT], out.headers[h.H_ASKED_DUE_AT]) == (3_000, 2_200)
     exact = core.route(queue="push", delay=3)
     assert (exact.delay_ms, exact.asked_ms) == (3_000, None)  # a whole number of units
@@ -402,20 +403,18 @@ def test_at_is_the_asked_due_time() -> None:
 def test_a_longer_tier_for_what_remains_keeps_what_was_asked(topology: Topology) -> None:
     route = Router(topology).resolve_remaining(topology.names.queue_key("push"), 60_000)
     assert (route.tier, route.delay_ms, route.asked_ms) == ("5m", 300_000, 60_000)
-    out = PublisherCore.outgoing(route, b"x", "application/json", 1_000)
+    out = outgoing(route, b"x", "application/json", 1_000)
     assert (out.headers[h.H_DUE_AT], out.headers[h.H_ASKED_DUE_AT]) == (301_000, 61_000)
 
 
 def test_a_fixed_due_time_keeps_the_first_publish_asked_due_time(topology: Topology) -> None:
     route = Router(topology).resolve_remaining(topology.names.queue_key("push"), 60_000)
     first = {h.H_ASKED_DUE_AT: 60_500}  # the original went through a cascade: rounded up
-    moved = PublisherCore.outgoing(route, b"x", "a/b", 1_000, "id", first, due_at=61_000)
+    moved = outgoing(route, b"x", "a/b", 1_000, "id", first, due_at=61_000)
     assert (moved.headers[h.H_DUE_AT], moved.headers[h.H_ASKED_DUE_AT]) == (61_000, 60_500)
-    fresh = PublisherCore.outgoing(route, b"x", "a/b", 1_000, "id", None, due_at=61_000)
+    fresh = outgoing(route, b"x", "a/b", 1_000, "id", None, due_at=61_000)
     assert fresh.headers[h.H_ASKED_DUE_AT] == 61_000
-    odd = PublisherCore.outgoing(
-        route, b"x", "a/b", 1_000, "id", {h.H_ASKED_DUE_AT: 99_000}, due_at=61_000
-    )
+    odd = outgoing(route, b"x", "a/b", 1_000, "id", {h.H_ASKED_DUE_AT: 99_000}, due_at=61_000)
     assert odd.headers[h.H_ASKED_DUE_AT] == 61_000  # never after the due time
 
 

@@ -21,7 +21,7 @@ from rabbit_delay import (
     UnroutableError,
     topology_from_dict,
 )
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._envelope import Outgoing
 from rabbit_delay._plan.plan import Action, BindingSpec, ExchangeSpec, Kind, QueueSpec, desired
 from rabbit_delay.testing import (

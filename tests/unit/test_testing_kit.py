@@ -26,7 +26,7 @@ from rabbit_delay import (
     load_topology,
     topology_from_dict,
 )
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay.stores import MemoryStore, SQLiteStore
 from rabbit_delay.testing import KitError, Outcome, TestBroker
 

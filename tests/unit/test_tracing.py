@@ -15,7 +15,7 @@ import pytest
 from conftest import Spans
 
 from rabbit_delay import App, HandlerContext, NackError, Reject, Retry, Topology, topology_from_dict
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._broker import UNKNOWN
 from rabbit_delay._consumer.app import Transport
 from rabbit_delay._consumer.delivery import Claim, Delivery, Finish, Publish, Run, Settled, WriteAck
@@ -63,7 +63,9 @@ def confirm_all(core: PublisherCore[Any, Any], outs: list[Any]) -> tuple[Any, li
 
 def test_a_callers_traceparent_passes_through_publish_retry_and_replay() -> None:
     tracing.configure(enabled=False)  # as without OpenTelemetry (and left so)
-    core: PublisherCore[Any, Any] = PublisherCore(make_topology(), borrowed=True)
+    core: PublisherCore[Any, Any] = PublisherCore(
+        make_topology(), borrowed=True, tracer=tracing.active
+    )
     out = core.prepare(b"x", "1s", queue="orders", headers={h.H_TRACEPARENT: TRACEPARENT})
     ledger = core.ledger([out])
     assert ledger.trace is None
@@ -109,7 +111,9 @@ def test_without_opentelemetry_imported_nothing_traces() -> None:
 
 
 def test_a_publish_span_is_the_parent_the_message_carries(spans: Spans) -> None:
-    core: PublisherCore[Any, Any] = PublisherCore(make_topology(), borrowed=True)
+    core: PublisherCore[Any, Any] = PublisherCore(
+        make_topology(), borrowed=True, tracer=tracing.active
+    )
     tracer = spans.tracer
     with tracer.start_as_current_span("request") as request:
         out = core.prepare({"order_id": 1}, "1s", queue="orders", message_id="order-1")
@@ -136,7 +140,9 @@ def test_a_publish_span_is_the_parent_the_message_carries(spans: Spans) -> None:
 
 
 def test_a_call_of_many_is_one_span(spans: Spans) -> None:
-    core: PublisherCore[Any, Any] = PublisherCore(make_topology(), borrowed=True)
+    core: PublisherCore[Any, Any] = PublisherCore(
+        make_topology(), borrowed=True, tracer=tracing.active
+    )
     outs = core.prepare_many([{"i": i} for i in range(3)], "5s", queue="orders")
     ledger, _ids = confirm_all(core, outs)
     publish = spans.one("publish ")
@@ -146,7 +152,9 @@ def test_a_call_of_many_is_one_span(spans: Spans) -> None:
 
 
 def test_a_failed_publish_ends_its_span_with_the_error(spans: Spans) -> None:
-    core: PublisherCore[Any, Any] = PublisherCore(make_topology(), borrowed=True)
+    core: PublisherCore[Any, Any] = PublisherCore(
+        make_topology(), borrowed=True, tracer=tracing.active
+    )
     ledger = core.ledger([core.prepare(b"x", "1s", queue="orders")])
     ledger.take()
     ledger.sent(0, 1)
@@ -160,7 +168,9 @@ def test_a_failed_publish_ends_its_span_with_the_error(spans: Spans) -> None:
 
 
 def test_a_carried_traceparent_wins_and_forwarded_copies_make_no_span(spans: Spans) -> None:
-    core: PublisherCore[Any, Any] = PublisherCore(make_topology(), borrowed=True)
+    core: PublisherCore[Any, Any] = PublisherCore(
+        make_topology(), borrowed=True, tracer=tracing.active
+    )
     out = core.prepare(b"x", "1s", queue="orders", headers={h.H_TRACEPARENT: TRACEPARENT})
     ledger, _ = confirm_all(core, [out])
     assert ledger.outs[0].headers[h.H_TRACEPARENT] == TRACEPARENT

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from rabbit_delay import ConfigError, Topology, topology_from_dict
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._broker import BrokerInfo
 from rabbit_delay._durations import iso_ms
 from rabbit_delay._envelope import BINARY, JSON

@@ -17,7 +17,7 @@ from datetime import UTC, date, datetime
 from decimal import Decimal
 from typing import Any
 
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._durations import iso, iso_ms
 from rabbit_delay._errors import ConfigError
 from rabbit_delay._ops.replay.rules import Stored

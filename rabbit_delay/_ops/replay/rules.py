@@ -25,11 +25,17 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._durations import iso_ms
-from rabbit_delay._envelope import BINARY, Outgoing, new_message_id, strip_broker_headers
+from rabbit_delay._envelope import (
+    BINARY,
+    Outgoing,
+    forward,
+    new_message_id,
+    outgoing,
+    strip_broker_headers,
+)
 from rabbit_delay._errors import UnknownTargetError
-from rabbit_delay._publishing.core import PublisherCore
 from rabbit_delay._topology.delays import IMMEDIATE, Route, Router
 from rabbit_delay._topology.model import Topology
 
@@ -43,7 +49,7 @@ PARKING_HEADERS = (
     h.H_LAST_FAILURE,
     h.H_PARK_REASON,
 )
-# Describe the previous trip; the replay route writes them anew (PublisherCore.outgoing).
+# Describe the previous trip; the replay route writes them anew (_envelope.outgoing).
 ROUTE_HEADERS = (h.H_DUE_AT, h.H_DELAY_MS, h.H_TIER, h.H_ATTEMPT, h.H_TARGET, h.H_PLUGIN_DELAY)
 
 
@@ -215,7 +221,7 @@ class ParkedReplay:
     `tier=None` replays at once: to the due exchange with the queue's unique key, so
     only this queue gets it (never every queue bound to a shared binding key). With a
     tier, through that tier's buffer like `publish_delayed(queue=...)`: for a sharded
-    tier, the shard the message's id picks (`PublisherCore.outgoing`).
+    tier, the shard the message's id picks (`_envelope.outgoing`).
 
     Raises UnknownTargetError for a queue outside the topology and DelayError for a
     tier it does not have or the queue does not accept.
@@ -240,7 +246,7 @@ class ParkedReplay:
 
     def outgoing(self, msg: Stored, now_ms: int) -> Outgoing:
         """The replayed copy: attempt 1, parking and broker headers dropped."""
-        return PublisherCore.outgoing(
+        return outgoing(
             self.route,
             msg.body,
             msg.content_type or BINARY,
@@ -319,16 +325,8 @@ class UnroutableReplay:
             if self.only is not None and self.only not in queues:
                 return Leave(f"target {key!r} is not queue {self.only!r}")
             exchange, to_parking = n.due_exchange(), False
-        out = Outgoing(
-            exchange=exchange,
-            routing_key=key,
-            body=msg.body,
-            message_id=msg.message_id or new_message_id(),
-            content_type=msg.content_type or BINARY,
-            headers=headers,
-            mandatory=True,
-            timestamp=msg.timestamp if msg.timestamp is not None else now_ms // 1000,
-        )
+        timestamp = msg.timestamp if msg.timestamp is not None else now_ms // 1000
+        out = forward(exchange, key, msg.body, msg.content_type, msg.message_id, headers, timestamp)
         return Reroute(out, queues, to_parking)
 
 

@@ -59,9 +59,9 @@ from rabbit_delay.sync._connection import broker_info
 from rabbit_delay.sync._errors import CLIENT_ERRORS, mapped, translate
 from rabbit_delay.sync._publisher import Publisher
 
-__all__ = ["DEFAULT_BATCH", "MAX_PASSES", "Progress", "transfer"]
+__all__ = ["DEFAULT_TRANSFER_BATCH", "MAX_PASSES", "Progress", "transfer"]
 
-DEFAULT_BATCH = 500
+DEFAULT_TRANSFER_BATCH = 500
 # A run reads every source queue again while the previous round moved something: what
 # fell due into a business queue meanwhile, or dead-lettered between two cascade levels
 # while its level was read, is found by the next round.
@@ -391,7 +391,7 @@ def transfer(
     dry_run: bool = False,
     limit: int | None = None,
     ready: bool = True,
-    batch: int = DEFAULT_BATCH,
+    batch: int = DEFAULT_TRANSFER_BATCH,
     progress: Progress | None = None,
 ) -> TransferReport:
     """Move the pending messages of `rules.source` (read on `source`) into

@@ -32,14 +32,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from rabbit_delay import _names as h
+from rabbit_delay import _headers as h
 from rabbit_delay._broker import BrokerInfo
 from rabbit_delay._durations import format_ms, iso_ms
-from rabbit_delay._envelope import BINARY, Envelope, Outgoing
+from rabbit_delay._envelope import BINARY, Envelope, Outgoing, outgoing
 from rabbit_delay._errors import ConfigError, DecodeError, DelayError, UnknownTargetError
 from rabbit_delay._ops.replay.rules import Leave, Stored, replay_headers
 from rabbit_delay._plan.plan import desired
-from rabbit_delay._publishing.core import PublisherCore
 from rabbit_delay._topology.delays import Router
 from rabbit_delay._topology.model import QueueType, Topology
 
@@ -269,7 +268,7 @@ class Transfer:
         except UnknownTargetError as exc:
             return Leave(str(exc))
         requested = msg.headers.get(h.H_DELAY_MS)
-        out = PublisherCore.outgoing(
+        out = outgoing(
             route,
             msg.body,
             msg.content_type or BINARY,
