@@ -45,7 +45,7 @@ from rabbit_delay import (
     Worker,
     topology_from_dict,
 )
-from rabbit_delay._consumer.stats import WorkerStats
+from rabbit_delay._observe.report import WorkerStats
 from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topology
 from rabbit_delay._urls import broker_url, redact
 from rabbit_delay.aio import AsyncPublisher

@@ -522,7 +522,7 @@ class WorkerBehaviour:
         publish(bench, topology, {"order_id": 12}, message_id="order-12-timeout")
         calls.wait_finished(1)
         publish(bench, topology, {"order_id": 12}, message_id="order-12-timeout")
-        bench.wait_for(lambda: worker.stats.duplicates == 1, 10, "the duplicate to be skipped")
+        bench.wait_for(lambda: worker.stats.duplicate == 1, 10, "the duplicate to be skipped")
         worker.stop()
 
         assert len(calls.started) == 1
@@ -542,7 +542,7 @@ class WorkerBehaviour:
         publish(bench, topology, {"order_id": 13}, {"order_id": 13}, message_id="order-13")
         # The second copy is deferred through the 1 s tier, comes back after the first is
         # done, and is skipped then.
-        bench.wait_for(lambda: worker.stats.duplicates == 1, 15, "the deferred copy to be skipped")
+        bench.wait_for(lambda: worker.stats.duplicate == 1, 15, "the deferred copy to be skipped")
         worker.stop()
 
         assert len(calls.started) == 1
@@ -664,7 +664,7 @@ class WorkerBehaviour:
         assert len(calls.finished) == len(calls.started) == 2  # in flight: finished, acked
         assert worker.stats.acked == 2
         # The 2 prefetched but not started were nacked back, each once, and counted once.
-        assert worker.stats.requeued == 2, worker.stats
+        assert worker.stats.handed_back == 2, worker.stats
         queue = topology.names.business_queue(QUEUE)
         bench.wait_for(lambda: bench.message_count(queue) == 2, 10, "the 2 not started, back")
         back = bench.get_all(queue, 2)
@@ -717,12 +717,12 @@ class WorkerBehaviour:
         again.add_consumer(QUEUE, bench.handler(second_calls), model=CancelOrder)
         second = bench.run_worker(again, close_app=True)
         bench.wait_for(
-            lambda: second.stats.duplicates + second.stats.acked + second.stats.deferred >= 1,
+            lambda: second.stats.duplicate + second.stats.acked + second.stats.deferred >= 1,
             15,
             f"the redelivered copy to be settled ({second.stats})",
         )
         second.stop()
-        assert (second.stats.duplicates, second.stats.acked) == (1, 0), second.stats
+        assert (second.stats.duplicate, second.stats.acked) == (1, 0), second.stats
         assert second_calls.started == []
         assert len(calls.started) == 1
         assert bench.message_count(topology.names.business_queue(QUEUE)) == 0

@@ -29,7 +29,7 @@ from rabbit_delay._cli.worker import (
     load_app,
 )
 from rabbit_delay._consumer.app import App
-from rabbit_delay._consumer.stats import worker_identity
+from rabbit_delay._consumer.worker import worker_identity
 from rabbit_delay._reconcile import Reconciler, ReconcileResult
 
 NameOpt = Annotated[

@@ -15,11 +15,8 @@ import typer
 from rabbit_delay._cli.app import UrlOpt, app, errors_to_exit, fail, url_for
 from rabbit_delay._connection import DEFAULT_RECONNECT_MAX_S
 from rabbit_delay._consumer.app import App, Transport
-from rabbit_delay._consumer.worker_base import (
-    DEFAULT_SHUTDOWN_TIMEOUT_S,
-    WorkerBase,
-    WorkerSettings,
-)
+from rabbit_delay._consumer.settings import DEFAULT_SHUTDOWN_TIMEOUT_S, WorkerOptions
+from rabbit_delay._consumer.worker import WorkerCore
 from rabbit_delay._durations import parse_ms
 from rabbit_delay._errors import DurationError
 from rabbit_delay._observe.logs import JsonFormatter, TextFormatter
@@ -234,7 +231,7 @@ def worker(
 
             metrics = default_metrics()
         # concurrency None: each worker's own default (4 threads, 16 tasks)
-        settings: WorkerSettings = {
+        settings: WorkerOptions = {
             "queues": queue,
             "prefetch": prefetch,
             "concurrency": concurrency,
@@ -261,7 +258,7 @@ def worker(
                 the_app.close()
 
 
-def _serve(the_worker: WorkerBase, metrics_port: int | None, health_port: int | None) -> None:
+def _serve(the_worker: WorkerCore, metrics_port: int | None, health_port: int | None) -> None:
     """Start the HTTP endpoints (rabbit_delay._io.endpoints) before the worker runs, so a
     probe sees it starting. Exits when the port cannot be bound."""
     port = metrics_port if metrics_port is not None else health_port

@@ -26,8 +26,8 @@ from rabbit_delay._broker import UNKNOWN, BrokerInfo
 from rabbit_delay._consumer.context import HandlerContext, clock_ms
 from rabbit_delay._consumer.decide import (
     Action,
-    Outcome,
     QueuePolicy,
+    Result,
     Undecodable,
     decide,
 )
@@ -160,7 +160,7 @@ class Consumer:
         except DecodeError as exc:
             env = Envelope(message_id, 1, None, None, None, headers or {})
             bad = Undecodable.from_exception(exc)
-            return self.decide(env, bad, body, content_type, received_ms)
+            return self._refuse(env, bad, body, content_type, received_ms)
         ctx = HandlerContext(self.queue, env, redelivered, received_ms, self.policy.max_attempts)
         key: str | None = None
         if lazy and (self.key is None or not self.idempotent):
@@ -171,7 +171,7 @@ class Consumer:
             message = self.decode(body)
         except Exception as exc:  # ValidationError, or whatever a TypeAdapter raises
             bad = Undecodable.from_exception(exc)
-            return self.decide(env, bad, body, content_type, received_ms)
+            return self._refuse(env, bad, body, content_type, received_ms)
         if self.idempotent:
             if self.key is None:
                 key = self.key_prefix + message_id if message_id else None
@@ -179,7 +179,7 @@ class Consumer:
                 try:
                     key = self.key_prefix + self.key(message)
                 except Exception as exc:
-                    return self.decide(env, exc, body, content_type, received_ms)
+                    return self._refuse(env, exc, body, content_type, received_ms)
         return Prepared(ctx, message, key, body, content_type)
 
     def decoded(self, prepared: Prepared) -> Any:
@@ -187,28 +187,27 @@ class Consumer:
         message = prepared.message
         return self.decode(prepared.body) if message is NOT_DECODED else message
 
-    def decide(
-        self, env: Envelope, outcome: Outcome, body: bytes, content_type: str | None, now_ms: int
+    def _refuse(
+        self, env: Envelope, result: Result, body: bytes, content_type: str | None, now_ms: int
     ) -> Action:
-        return decide(
-            env, self.policy, outcome, body=body, content_type=content_type, now_ms=now_ms
-        )
+        """The action for a delivery refused before its handler (undecodable, no key)."""
+        return decide(env, self.policy, result, body=body, content_type=content_type, now_ms=now_ms)
 
-    def finish(
+    def decide(
         self,
         prepared: Prepared,
-        outcome: Outcome,
+        result: Result,
         now_ms: int,
         broker: BrokerInfo = UNKNOWN,
         crashes: int = 0,
         lease_ms: int = DEFAULT_LEASE_MS,
     ) -> Action:
-        """The action once the handler (or the claim) produced `outcome`, under the
-        version rules of `broker` (the worker's connection's); see `decide`."""
+        """The action once the handler (or the claim) produced `result`, under the
+        version rules of `broker` (the worker's connection's); see `decide.decide`."""
         return decide(
             prepared.ctx.envelope,
             self.policy,
-            outcome,
+            result,
             body=prepared.body,
             content_type=prepared.content_type,
             now_ms=now_ms,

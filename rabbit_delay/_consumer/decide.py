@@ -1,9 +1,9 @@
-"""The retry/park decision: what happens to a delivery after its outcome. Pure.
+"""The retry/park decision: what happens to a delivery after its result. Pure.
 
 Both workers call `decide(...)` and execute the action it returns; no rule about
 attempts, tiers, parking or headers is written anywhere else.
 
-    outcome                          action
+    result                           action
     -------------------------------  ---------------------------------------------------
     None (the handler returned)      Ack
     ClaimResult.DONE                 Skip(duplicate)     ack, handler not run
@@ -89,7 +89,7 @@ class RepublishReason(StrEnum):
     UNAVAILABLE = "store_unavailable"
 
 
-# -- outcomes ---------------------------------------------------------------------------
+# -- results ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +126,7 @@ class Unavailable:
     error: BaseException
 
 
-Outcome = None | ClaimResult | Undecodable | Unavailable | Crashed | BaseException
+Result = None | ClaimResult | Undecodable | Unavailable | Crashed | BaseException
 
 
 # -- actions ----------------------------------------------------------------------------
@@ -446,7 +446,7 @@ def _same_attempt(
 def decide(
     env: Envelope,
     policy: QueuePolicy,
-    outcome: Outcome,
+    result: Result,
     *,
     body: bytes,
     content_type: str | None,
@@ -462,16 +462,16 @@ def decide(
     lost while its handler may have run (consumer/_lease.lost_deliveries), carried by
     every copy; `lease_ms` the guard's lease, which caps the deferral backoff.
 
-    Raises ValueError for ClaimResult.CLAIMED, which is not an outcome (run the handler).
+    Raises ValueError for ClaimResult.CLAIMED, which is not an result (run the handler).
     """
-    if outcome is None:
+    if result is None:
         return ACK
-    if isinstance(outcome, ClaimResult):
-        if outcome is ClaimResult.DONE:
+    if isinstance(result, ClaimResult):
+        if result is ClaimResult.DONE:
             return SKIP_DUPLICATE
-        if outcome is ClaimResult.CANCELLED:
+        if result is ClaimResult.CANCELLED:
             return SKIP_CANCELLED
-        if outcome is ClaimResult.IN_PROGRESS:
+        if result is ClaimResult.IN_PROGRESS:
             # Not run beside the copy in progress, and not requeued (that spins, and on a
             # quorum queue every requeue counts towards x-delivery-limit): look again
             # later, same attempt, backing off per deferral up to half a lease. By then
@@ -488,9 +488,9 @@ def decide(
                 crashes=crashes,
                 deferrals=deferrals,
             )
-        raise ValueError(f"{outcome!r} is not an outcome: run the handler")
-    if isinstance(outcome, Unavailable):
-        error = f"{error_type_of(outcome.error)}: {_truncate(str(outcome.error), 200)}"
+        raise ValueError(f"{result!r} is not an result: run the handler")
+    if isinstance(result, Unavailable):
+        error = f"{error_type_of(result.error)}: {_truncate(str(result.error), 200)}"
         if not broker.nack_requeue_counts:
             return Requeue(error)  # 4.3+: a nack-requeue costs no delivery
         # Before 4.3 every requeue counts: an outage longer than the delivery limit would
@@ -507,14 +507,14 @@ def decide(
             crashes=crashes,
             deferrals=env.deferrals,
         )
-    if isinstance(outcome, Crashed):
+    if isinstance(result, Crashed):
         return _park(
             env,
             policy,
             ParkReason.CRASHED,
             error_type="rabbit_delay.Crashed",
             message=(
-                f"{outcome.count} deliveries of this message were lost while its handler may "
+                f"{result.count} deliveries of this message were lost while its handler may "
                 f"have been running (delivery_limit {policy.delivery_limit}): the handler "
                 "probably kills or hangs its worker"
             ),
@@ -524,34 +524,34 @@ def decide(
             now_ms=now_ms,
             crashes=crashes,
         )
-    if isinstance(outcome, Undecodable):
+    if isinstance(result, Undecodable):
         return _park(
             env,
             policy,
-            outcome.reason,
-            error_type=outcome.error_type,
-            message=outcome.message,
+            result.reason,
+            error_type=result.error_type,
+            message=result.message,
             trace=None,
             body=body,
             content_type=content_type,
             now_ms=now_ms,
             crashes=crashes,
         )
-    if isinstance(outcome, Reject):
+    if isinstance(result, Reject):
         return _park(
             env,
             policy,
             ParkReason.REJECTED,
-            error_type=error_type_of(outcome),
-            message=outcome.reason,
+            error_type=error_type_of(result),
+            message=result.reason,
             trace=None,
             body=body,
             content_type=content_type,
             now_ms=now_ms,
             crashes=crashes,
         )
-    error_type = error_type_of(outcome)
-    message = str(outcome)
+    error_type = error_type_of(result)
+    message = str(result)
     if env.attempt >= policy.max_attempts:
         return _park(
             env,
@@ -559,15 +559,15 @@ def decide(
             ParkReason.MAX_ATTEMPTS,
             error_type=error_type,
             message=message,
-            trace=format_traceback(outcome),
+            trace=format_traceback(result),
             body=body,
             content_type=content_type,
             now_ms=now_ms,
             crashes=crashes,
         )
     note = None
-    if isinstance(outcome, Retry):
-        route, note = policy.requested_route(outcome, env.attempt)
+    if isinstance(result, Retry):
+        route, note = policy.requested_route(result, env.attempt)
     else:
         route = policy.scheduled_route(env.attempt)
     if note:

@@ -1,9 +1,11 @@
 """The delivery program: every decision a worker makes about one delivery. Pure.
 
-Both workers drive this generator, the way the declarers drive `plan.declare_program`:
-it yields a step, the driver executes it and sends back the reply, until the program
-returns what happened (`Settled`). The drivers decide nothing: not whether to claim,
-what to publish, when to ack, reject or requeue, nor what a failed publish means.
+The three workers (sync, async, in-memory) drive this generator, the way the declarers
+drive the declare program: it yields a step, the driver executes it and sends back the
+reply, until the program returns what happened (`Settled`, with its `outcome`). The drivers
+decide nothing: not whether to claim, what to publish, when to ack, reject or requeue,
+what a failed publish means, nor what became of the delivery. The program logs nothing
+either: a store failure it met is in `Settled.store_error`, reported with the rest.
 
     step                       the driver                         reply
     -------------------------  ---------------------------------  --------------------------
@@ -13,7 +15,8 @@ what to publish, when to ack, reject or requeue, nor what a failed publish means
                                (Consumer.decoded), calls the      Undecodable
                                handler
     Finish(key, owner, ok)     records done (ok) or releases      None, or the store's
-                               the claim; stops renewing it       exception
+                               the claim (the store's "finish");  exception
+                               stops renewing it
     Pause(seconds)             waits (the store is failing)       None
     Publish(outgoing)          publishes, confirmed               None, or the PublishError /
                                                                   BrokerError
@@ -34,7 +37,6 @@ worker runs each program in a task of its own.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -48,20 +50,21 @@ from rabbit_delay._consumer.decide import (
     Action,
     BrokerRetry,
     Crashed,
-    Outcome,
     Park,
     Republish,
+    RepublishReason,
+    Requeue,
+    Result,
     Skip,
+    SkipReason,
     Unavailable,
     Undecodable,
 )
 from rabbit_delay._consumer.leases import lost_deliveries, may_have_run
+from rabbit_delay._consumer.outcome import Outcome
 from rabbit_delay._envelope import Outgoing, text_header
 from rabbit_delay._headers import H_TIER
 from rabbit_delay._idempotency.guard import ClaimResult
-from rabbit_delay._observe.logs import delivery_fields
-
-log = logging.getLogger("rabbit_delay.worker")
 
 STORE_PAUSE_S = 1.0  # back-pressure when the idempotency store fails
 
@@ -150,19 +153,49 @@ WRITE_NACK = WriteNack()
 
 @dataclass(slots=True)
 class Settled:
-    """What became of one delivery: the workers count and log exactly this, once."""
+    """What became of one delivery, decided by the program: the workers count, log and
+    trace exactly this, once (rabbit_delay._observe.report)."""
 
     queue: str
     message_id: str | None
     attempt: int
-    action: Action | None  # None: handed back before its handler started
+    outcome: Outcome
+    action: Action | None  # what was decided; None: handed back before its handler started
     tier: str | None = None  # the tier it came through (rd-tier), for the log
-    stale: bool = False  # its channel or consumer was gone: the broker redelivers it
-    requeued: bool = False  # nacked back to the queue
     publish_error: str | None = None  # the copy could not be published (and why)
+    # The idempotency store failed on the claim ("claim": the message was not run) or on
+    # recording the handler's result ("finish": its result stands; a duplicate may run
+    # again after the lease).
+    store_error: BaseException | None = None
+    store_error_on: str | None = None
+
+    @property
+    def stale(self) -> bool:
+        """Its channel or consumer was gone: nothing was settled, the broker redelivers."""
+        return self.outcome is Outcome.STALE
 
 
 Program = Generator[Step, object, Settled]
+
+# The outcome of an action whose copy (if any) was published and whose delivery was settled
+# as the action says; a failed publish, a nack or a lost channel decide otherwise.
+_OUTCOME_OF_ACTION: dict[object, Outcome] = {
+    Ack: Outcome.ACKED,
+    SkipReason.DUPLICATE: Outcome.DUPLICATE,
+    SkipReason.CANCELLED: Outcome.CANCELLED,
+    RepublishReason.RETRY: Outcome.RETRIED,
+    RepublishReason.DEFER: Outcome.DEFERRED,
+    RepublishReason.UNAVAILABLE: Outcome.DEFERRED,
+    Park: Outcome.PARKED,
+    BrokerRetry: Outcome.RETRIED,
+    Requeue: Outcome.REQUEUED,
+}
+
+
+def outcome_of(action: Action) -> Outcome:
+    """The outcome of `action` carried out as decided (see `_OUTCOME_OF_ACTION`)."""
+    key = action.reason if isinstance(action, Skip | Republish) else type(action)
+    return _OUTCOME_OF_ACTION[key]
 
 
 def delivery_program(
@@ -188,15 +221,8 @@ def delivery_program(
         lazy=True,  # decoded where the handler runs (Run), unless the key needs it
     )
     if not isinstance(prepared, Prepared):  # undecodable: parked without a claim
-        return (
-            yield from _settle(
-                consumer,
-                delivery.message_id,
-                1,
-                prepared,
-                text_header((delivery.headers or {}).get(H_TIER)),
-            )
-        )
+        tier = text_header((delivery.headers or {}).get(H_TIER))
+        return (yield from _settle(consumer, delivery.message_id, 1, prepared, tier))
     env = prepared.ctx.envelope
     policy = consumer.policy
     if not prepared.ctx.redelivered and may_have_run(env, delivery.redelivered):
@@ -209,71 +235,63 @@ def delivery_program(
     if key is None or owner is None:  # no guard: the broker's counts are all there is
         crashes = lost_deliveries(env, delivery.redelivered, native=policy.native, held=False)
         if crashes >= policy.delivery_limit:
-            action = consumer.finish(prepared, Crashed(crashes), now(), broker, crashes, lease_ms)
+            action = consumer.decide(prepared, Crashed(crashes), now(), broker, crashes, lease_ms)
             return (yield from _settle(consumer, message_id, attempt, action, tier))
-        outcome = yield Run(consumer, prepared)
-        if outcome is STOPPING:
+        ran = yield Run(consumer, prepared)
+        if ran is STOPPING:
             return (yield from _hand_back(consumer, message_id, attempt, tier))
-        if outcome is STALE:
-            return Settled(consumer.queue, message_id, attempt, None, tier=tier, stale=True)
-        action = consumer.finish(prepared, _outcome(outcome), now(), broker, crashes, lease_ms)
+        if ran is STALE:
+            return Settled(consumer.queue, message_id, attempt, Outcome.STALE, None, tier)
+        action = consumer.decide(prepared, _result(ran), now(), broker, crashes, lease_ms)
         return (yield from _settle(consumer, message_id, attempt, action, tier))
 
     claim = yield Claim(key, owner)
     if claim is STALE:
-        return Settled(consumer.queue, message_id, attempt, None, tier=tier, stale=True)
+        return Settled(consumer.queue, message_id, attempt, Outcome.STALE, None, tier)
     if claim is STOPPING:
         return (yield from _hand_back(consumer, message_id, attempt, tier))
     if isinstance(claim, Exception):
-        log.error(
-            "%s: idempotency store failed on claim: %r",
-            consumer.queue,
-            claim,
-            extra=delivery_fields(consumer.queue, message_id, attempt, tier),
-        )
-        yield Pause(STORE_PAUSE_S)
+        yield Pause(STORE_PAUSE_S)  # back-pressure while the store fails
         crashes = lost_deliveries(env, delivery.redelivered, native=policy.native, held=False)
-        action = consumer.finish(prepared, Unavailable(claim), now(), broker, crashes, lease_ms)
-        return (yield from _settle(consumer, message_id, attempt, action, tier))
+        action = consumer.decide(prepared, Unavailable(claim), now(), broker, crashes, lease_ms)
+        settled = yield from _settle(consumer, message_id, attempt, action, tier)
+        settled.store_error, settled.store_error_on = claim, "claim"
+        return settled
     assert isinstance(claim, ClaimResult)
     held = claim is ClaimResult.IN_PROGRESS
     crashes = lost_deliveries(env, delivery.redelivered, native=policy.native, held=held)
     if claim is ClaimResult.CLAIMED:
         if crashes >= policy.delivery_limit:
             yield Finish(key, owner, False)
-            action = consumer.finish(prepared, Crashed(crashes), now(), broker, crashes, lease_ms)
+            action = consumer.decide(prepared, Crashed(crashes), now(), broker, crashes, lease_ms)
             return (yield from _settle(consumer, message_id, attempt, action, tier))
-        outcome = yield Run(consumer, prepared)
-        if outcome is STOPPING or outcome is STALE:  # not started: give the key back
+        ran = yield Run(consumer, prepared)
+        if ran is STOPPING or ran is STALE:  # not started: give the key back
             yield Finish(key, owner, False)
-            if outcome is STALE:
-                return Settled(consumer.queue, message_id, attempt, None, tier=tier, stale=True)
+            if ran is STALE:
+                return Settled(consumer.queue, message_id, attempt, Outcome.STALE, None, tier)
             return (yield from _hand_back(consumer, message_id, attempt, tier))
-        result = _outcome(outcome)
+        result = _result(ran)
         stored = yield Finish(key, owner, result is None)
-        if stored is not None:
-            # The handler's outcome stands; a duplicate may run again after the lease.
-            log.error(
-                "%s: idempotency store failed after the handler: %r",
-                consumer.queue,
-                stored,
-                extra=delivery_fields(consumer.queue, message_id, attempt, tier),
-            )
-        action = consumer.finish(prepared, result, now(), broker, crashes, lease_ms)
+        action = consumer.decide(prepared, result, now(), broker, crashes, lease_ms)
         if action is ACK:  # the common case, without a sub-generator
             reply = yield WRITE_ACK
-            return Settled(
-                consumer.queue, message_id, attempt, action, tier=tier, stale=reply is STALE
-            )
-        return (yield from _settle(consumer, message_id, attempt, action, tier))
-    outcome_of_claim: Outcome = claim
+            outcome = Outcome.STALE if reply is STALE else Outcome.ACKED
+            settled = Settled(consumer.queue, message_id, attempt, outcome, action, tier)
+        else:
+            settled = yield from _settle(consumer, message_id, attempt, action, tier)
+        if stored is not None:  # the handler's result stands; its record could not be kept
+            settled.store_error = stored  # type: ignore[assignment]
+            settled.store_error_on = "finish"
+        return settled
+    claimed: Result = claim
     if held and crashes >= policy.delivery_limit:
-        outcome_of_claim = Crashed(crashes)
-    action = consumer.finish(prepared, outcome_of_claim, now(), broker, crashes, lease_ms)
+        claimed = Crashed(crashes)
+    action = consumer.decide(prepared, claimed, now(), broker, crashes, lease_ms)
     return (yield from _settle(consumer, message_id, attempt, action, tier))
 
 
-def _outcome(reply: object) -> Outcome:
+def _result(reply: object) -> Result:
     if reply is None or isinstance(reply, BaseException | Undecodable):
         return reply
     raise TypeError(f"a Run step's reply must be None or an exception, got {reply!r}")
@@ -284,26 +302,24 @@ def _hand_back(
 ) -> Program:
     """Not started before the shutdown: nack it back for another worker, at once."""
     reply = yield WRITE_NACK
-    stale = reply is STALE
-    return Settled(
-        consumer.queue, message_id, attempt, None, tier=tier, stale=stale, requeued=not stale
-    )
+    outcome = Outcome.STALE if reply is STALE else Outcome.HANDED_BACK
+    return Settled(consumer.queue, message_id, attempt, outcome, None, tier)
 
 
 def _settle(
     consumer: Consumer, message_id: str | None, attempt: int, action: Action, tier: str | None
 ) -> Generator[Step, object, Settled]:
     """Execute `action` on the broker: ack, or publish the copy and only then ack, or
-    hand the delivery back."""
+    hand the delivery back; the delivery's outcome is what was done."""
     publish_error: str | None = None
-    requeued = False
+    outcome = outcome_of(action)
     if isinstance(action, Ack | Skip):
         reply = yield WRITE_ACK
     elif isinstance(action, Republish | Park):
         kind = "park" if isinstance(action, Park) else "republish"
         published = yield Publish(action.outgoing, kind)
         if published is STALE:
-            return Settled(consumer.queue, message_id, attempt, action, tier=tier, stale=True)
+            return Settled(consumer.queue, message_id, attempt, Outcome.STALE, action, tier)
         if published is None:
             reply = yield WRITE_ACK  # only once the new copy is confirmed
         else:
@@ -311,26 +327,18 @@ def _settle(
             if isinstance(action, Republish) and action.requeue_if_unsent:
                 # A defer or a store outage is no fault of the message: hand it back.
                 reply = yield WRITE_NACK
-                requeued = True
+                outcome = Outcome.REQUEUED
             else:
                 # The broker dead-letters it into the parking exchange (reason rejected):
                 # visible, and no hot loop of redeliveries.
                 reply = yield WriteReject(requeue=False)
+                outcome = Outcome.PARKED
     elif isinstance(action, BrokerRetry):
         # Counted towards the delivery limit and held back by the queue (4.3+ delayed
         # retry); the count is the next attempt's number.
         reply = yield WriteReject(requeue=True)
     else:  # Requeue: the idempotency store failed (4.3+), or an unexpected error
         reply = yield WRITE_NACK
-        requeued = True
-    stale = reply is STALE
-    return Settled(
-        consumer.queue,
-        message_id,
-        attempt,
-        action,
-        tier=tier,
-        stale=stale,
-        requeued=requeued and not stale,
-        publish_error=publish_error,
-    )
+    if reply is STALE:
+        outcome = Outcome.STALE
+    return Settled(consumer.queue, message_id, attempt, outcome, action, tier, publish_error)

@@ -18,7 +18,14 @@ reason `crashed`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from rabbit_delay._envelope import Envelope
+from rabbit_delay._idempotency.guard import ClaimResult, Guard
+
+if TYPE_CHECKING:
+    from rabbit_delay._consumer.events import WorkerEvents
 
 # A renewal every third of the lease: two may fail before the lease runs out.
 RENEWALS_PER_LEASE = 3
@@ -82,18 +89,32 @@ class LeaseBook:
         self._lost: dict[str, None] = {}  # owners whose lease was lost (ordered set)
         self.lost = 0  # renewals that found the claim gone (a second copy may run)
 
-    def hold(self, key: str, owner: str, now_ms: int) -> None:
-        self._held[owner] = (key, now_ms)
+    # -- the bookkeeping around a store's claims and finishes: here only, for every driver
 
-    def hold_many(self, held: list[tuple[str, str]], now_ms: int) -> None:
-        """`hold` for a batch of (key, owner)."""
-        book = self._held
-        for key, owner in held:
-            book[owner] = (key, now_ms)
+    def claimed(self, key: str, owner: str, result: object, now_ms: int) -> None:
+        """After a Claim step: a key claimed is held (and renewed) until its Finish."""
+        if result is ClaimResult.CLAIMED:
+            self._held[owner] = (key, now_ms)
 
-    def drop_many(self, owners: list[str]) -> list[str]:
-        """`drop` for a batch; returns the owners whose lease was lost."""
-        return [owner for owner in owners if self.drop(owner)]
+    def claimed_many(
+        self, claims: Sequence[tuple[str, str]], results: Sequence[object], now_ms: int
+    ) -> None:
+        """`claimed` for a batch of (key, owner) and their results."""
+        held = self._held
+        for (key, owner), result in zip(claims, results, strict=True):
+            if result is ClaimResult.CLAIMED:
+                held[owner] = (key, now_ms)
+
+    def finishing(self, key: str, owner: str, events: WorkerEvents) -> None:
+        """Before a Finish step: the claim is no longer renewed; a lease lost meanwhile
+        (another copy may have run beside this one) is reported."""
+        if self.drop(owner):
+            events.finished_after_lost_lease(key)
+
+    def finishing_many(self, finishes: Sequence[tuple[str, str]], events: WorkerEvents) -> None:
+        """`finishing` for a batch of (key, owner)."""
+        for key, owner in finishes:
+            self.finishing(key, owner, events)
 
     def drop(self, owner: str) -> bool:
         """Forget `owner`'s claim (its handler finished). True if its lease was lost."""
@@ -135,3 +156,30 @@ class LeaseBook:
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+def claim_with(guard: Guard, leases: LeaseBook, key: str, owner: str, now_ms: int) -> object:
+    """A Claim step on a synchronous guard: its result (a key claimed is held in `leases`),
+    or the store's exception (the step's reply)."""
+    try:
+        result = guard.claim(key, owner)
+    except Exception as exc:
+        return exc
+    leases.claimed(key, owner, result, now_ms)
+    return result
+
+
+def finish_with(
+    guard: Guard, leases: LeaseBook, key: str, owner: str, succeeded: bool, events: WorkerEvents
+) -> object:
+    """A Finish step on a synchronous guard: done or released, the lease dropped (a lease
+    lost meanwhile reported); None, or the store's exception (the step's reply)."""
+    leases.finishing(key, owner, events)
+    try:
+        if succeeded:
+            guard.done(key, owner)
+        else:
+            guard.failed(key, owner)
+    except Exception as exc:
+        return exc
+    return None

@@ -8,6 +8,7 @@ creates, on first call, the one instance registered in prometheus-client's globa
     rabbit_delay_published_total{queue,tier}             confirmed publishes
     rabbit_delay_publish_errors_total{queue,reason}      publishes not confirmed
     rabbit_delay_handled_total{queue,outcome}            deliveries, by what became of them
+                                                         (rabbit_delay._consumer.outcome)
     rabbit_delay_handler_seconds{queue}                  handler run time (histogram)
     rabbit_delay_delivery_lateness_seconds{queue}        receive time - rd-due-at (histogram)
     rabbit_delay_outbox_relayed_total{queue,tier}        outbox rows published and marked sent
@@ -74,17 +75,6 @@ def tier_label(value: object, known: frozenset[str] | set[str]) -> str:
     if isinstance(value, bytes | bytearray):
         value = bytes(value).decode("utf-8", errors="replace")
     return value if isinstance(value, str) and value in known else OTHER_TIER
-
-
-class Outcome(StrEnum):
-    """What became of one delivery (label `outcome` of handled_total)."""
-
-    SUCCESS = "success"  # the handler returned: acked
-    RETRY = "retry"  # the handler failed: republished through a delay, attempt + 1
-    PARK = "park"  # sent to the parking lot (last attempt, Reject, undecodable)
-    DUPLICATE = "duplicate"  # already handled: acked without running the handler
-    CANCELLED = "cancelled"  # cancelled (tombstone): acked without running the handler
-    IN_PROGRESS = "in_progress"  # a copy is being handled elsewhere: deferred
 
 
 class PublishErrorReason(StrEnum):
@@ -224,13 +214,6 @@ class Metrics:
 
     # -- workers ---------------------------------------------------------------------------
 
-    def handled(self, queue: str, outcome: Outcome | str) -> None:
-        """One delivery of `queue` ended with `outcome`.
-
-        Raises ValueError for an outcome outside `Outcome` (label values are a closed set).
-        """
-        self.handled_total.labels(queue=queue, outcome=Outcome(outcome).value).inc()
-
     def handler_time(self, queue: str, seconds: float) -> None:
         self.handler_seconds.labels(queue=queue).observe(seconds)
 
@@ -307,7 +290,6 @@ __all__ = [
     "NO_TIER",
     "OTHER_TIER",
     "Metrics",
-    "Outcome",
     "PublishErrorReason",
     "default_metrics",
     "error_reason",

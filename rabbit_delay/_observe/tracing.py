@@ -33,8 +33,9 @@ business queue, or the routing key a publish targets), `messaging.message.id` (a
 of one message), `messaging.batch.message_count` (several), `rabbit_delay.tier` (rd-tier:
 the tier, "cascade", "plugin" or "now"), `rabbit_delay.attempt`, `rabbit_delay.delay_ms`
 (publish, retry), `rabbit_delay.lateness_ms` (handle, retry, park: receipt minus
-rd-due-at), `rabbit_delay.outcome` (handle: the label of rabbit_delay_handled_total, or
-stale / handed_back / requeued / deferred), `rabbit_delay.park_reason` (park).
+rd-due-at), `rabbit_delay.outcome` (handle: what became of the delivery, the values of
+rabbit_delay._consumer.outcome.Outcome; "abandoned" for a handle span whose program never
+ended, a forced stop), `rabbit_delay.park_reason` (park).
 
 `configure(tracer_provider=..., enabled=...)` gives rabbit-delay a provider of its own
 instead of the global one, or turns its spans off (the headers still pass through).
@@ -50,13 +51,13 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from rabbit_delay import _headers as h
+from rabbit_delay._consumer.decide import BrokerRetry, Park
+from rabbit_delay._consumer.delivery import Delivery, Program, Publish, Run, Settled
+from rabbit_delay._envelope import Outgoing, with_trace_context
 from rabbit_delay._envelope import text_header as text
-from rabbit_delay._envelope import with_trace_context
 
 if TYPE_CHECKING:
     from rabbit_delay._consumer.app import Consumer
-    from rabbit_delay._consumer.delivery import Delivery, Program, Settled
-    from rabbit_delay._envelope import Outgoing
     from rabbit_delay._errors import RabbitDelayError
     from rabbit_delay._publishing.confirms import Ledger
 
@@ -268,9 +269,6 @@ class OpenTelemetry:
     def _run(
         self, program: Program, span: Any, queue_name: str, attempt: int, lateness: int | None
     ) -> Program:
-        from rabbit_delay._consumer.decide import BrokerRetry
-        from rabbit_delay._consumer.delivery import Publish, Run
-
         common: dict[str, Any] = {}
         if lateness is not None:
             common[A_LATENESS_MS] = lateness
@@ -345,17 +343,8 @@ class OpenTelemetry:
         return self._child(span, "retry", queue_name, attributes | common)
 
     def _end_handle(self, span: Any, settled: Settled) -> None:
-        from rabbit_delay._consumer.decide import Park
-        from rabbit_delay._consumer.stats import outcome_of
-
         action = settled.action
-        if settled.stale:
-            outcome = "stale"
-        elif action is None:
-            outcome = "handed_back"
-        else:
-            outcome = outcome_of(action) or ("requeued" if settled.requeued else "deferred")
-        span.set_attribute(A_OUTCOME, outcome)
+        span.set_attribute(A_OUTCOME, settled.outcome.value)
         if isinstance(action, Park):
             span.set_status(self._status(self._error, f"parked: {action.reason.value}"))
         if settled.publish_error is not None:

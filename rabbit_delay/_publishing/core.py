@@ -192,7 +192,7 @@ class PublisherCore(Generic[OneT, ManyT]):
         log_lost(error, ledger, recovery)
         return recovery
 
-    def finish(self, ledger: Ledger, error: RabbitDelayError | None = None) -> list[str]:
+    def result(self, ledger: Ledger, error: RabbitDelayError | None = None) -> list[str]:
         """The end of a call: its ids once every message is confirmed; else the one
         error (UnroutableError / NackError / UnconfirmedError / BrokerBlocked naming
         exactly the ids concerned, or a refusal such as AccessRefused), counted in the
@@ -206,7 +206,7 @@ class PublisherCore(Generic[OneT, ManyT]):
         self, ledger: Ledger, error: RabbitDelayError | None = None
     ) -> RabbitDelayError | None:
         """The error a call ends with (None: every message confirmed), counted in the
-        metrics; `finish` raises it, a caller settling each message by its state in
+        metrics; `result` raises it, a caller settling each message by its state in
         `ledger` (the outbox relay) reads it."""
         failure = ledger.failure() if error is None else ledger.error_for(error)
         self.record(ledger, failure)

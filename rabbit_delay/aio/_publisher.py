@@ -245,7 +245,7 @@ class AsyncPublisher(PublisherCore[Coroutine[Any, Any, str], Coroutine[Any, Any,
             await self._publish(ledger)
         except RabbitDelayError as exc:
             error = exc
-        return self.finish(ledger, error)
+        return self.result(ledger, error)
 
     async def _publish(self, ledger: Ledger) -> None:
         """Send every message of `ledger` until each has its outcome; on a lost

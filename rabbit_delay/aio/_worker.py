@@ -67,15 +67,30 @@ from rabbit_delay._consumer.delivery import (
     WriteAck,
     WriteNack,
 )
-from rabbit_delay._consumer.stats import log_connection_lost
-from rabbit_delay._consumer.worker_base import (
-    WorkerBase,
-    WorkerSettings,
-    call_async_handler,
-    call_handler,
+from rabbit_delay._consumer.handlers import call_async_handler, call_handler
+from rabbit_delay._consumer.housekeeping import Renew, Sleep
+from rabbit_delay._consumer.lifecycle import (
+    STOPPED,
+    Cancel,
+    CheckQueue,
+    Close,
+    Connect,
+    Connected,
+    Declare,
+    Drain,
+    Drained,
+    LifecycleStep,
+    Lost,
+    Serve,
+    Wait,
+    WaitRunning,
 )
+from rabbit_delay._consumer.settings import WorkerOptions
+from rabbit_delay._consumer.worker import WorkerCore
 from rabbit_delay._errors import BrokerError, PublishError, RabbitDelayError
-from rabbit_delay._idempotency.guard import AsyncGuard, ClaimResult
+from rabbit_delay._idempotency.guard import AsyncGuard
+from rabbit_delay._observe import tracing
+from rabbit_delay._observe.report import WorkerReport
 from rabbit_delay._urls import redact
 from rabbit_delay.aio._connection import broker_info, close_quietly, connect_first
 from rabbit_delay.aio._declarer import declare as declare_topology
@@ -93,11 +108,12 @@ _CHANNEL_GONE = (
     ConnectionError,
     RuntimeError,  # "writer is None" on a connection torn down mid-call
 )
-# What a reconnect round may meet: the next node may lack the topology, refuse the user...
-_RECONNECT_ERRORS: tuple[type[BaseException], ...] = (RabbitDelayError, *CLIENT_ERRORS)
+# What a lifecycle step may meet, replied to the program: it decides whether that stops
+# the start or fails one reconnect round (consumer/lifecycle.py).
+_STEP_ERRORS: tuple[type[BaseException], ...] = (RabbitDelayError, *CLIENT_ERRORS)
 
 
-class AsyncWorker(WorkerBase):
+class AsyncWorker(WorkerCore):
     """Runs an App's consumers on aio-pika until `stop()` (or SIGINT/SIGTERM).
 
     Same options and guarantees as the sync `Worker`; `concurrency` bounds handlers
@@ -107,19 +123,20 @@ class AsyncWorker(WorkerBase):
     `run()` raises BrokerUnavailable (every URL tried, and why), MissingObjectError,
     AccessRefused, IncompatibleBroker or DeclarationConflict when it cannot start.
     After a successful start, lost connections are re-opened with backoff, over every
-    URL (see WorkerBase).
+    URL (see WorkerCore).
     """
 
     transport = Transport.ASYNC
     default_concurrency = 16
+    report: WorkerReport
 
     def __init__(
         self,
         app: App,
         url: str | Sequence[str] | None = None,
-        **settings: Unpack[WorkerSettings],
+        **options: Unpack[WorkerOptions],
     ) -> None:
-        super().__init__(app, url, **settings)
+        super().__init__(app, url, report=WorkerReport, tracer=tracing.active, **options)
         self._stop_requested = False
         self._force = False  # abandon running handlers (second signal)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -160,7 +177,7 @@ class AsyncWorker(WorkerBase):
 
     async def run(self) -> None:
         """Consume until stopped. Raises BrokerUnavailable / MissingObjectError /
-        DeclarationConflict when it cannot start."""
+        DeclarationConflict / IncompatibleBroker / AccessRefused when it cannot start."""
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         self._idle = asyncio.Event()
@@ -176,30 +193,21 @@ class AsyncWorker(WorkerBase):
         self.run_begins()
         heartbeat = asyncio.create_task(self._heartbeat())
         reconciling: AsyncReconciling | None = None
+        lifecycle = self.lifecycle()
         try:
-            await self._open()
-            self.log_consuming()
-            reconciling = self._start_reconciling()
-            if self._guard is not None:
-                housekeeping = asyncio.create_task(self._housekeeping(self._guard))
-            while not self._stop.is_set():
-                lost = self._lost
-                assert lost is not None
-                waiters = [asyncio.create_task(self._stop.wait()), asyncio.create_task(lost.wait())]
-                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                for w in waiters:
-                    w.cancel()
-                if self._stop.is_set():
+            reply: object = None
+            while True:
+                try:
+                    step = lifecycle.send(reply)
+                except StopIteration:
                     break
-                log_connection_lost(self._lost_reason, self.queue_names())
-                self.stats.reconnects += 1
-                self.started.clear()
-                await self._close_connection()
-                await self._reconnect()
-            if self._connection is not None:
-                await self._shutdown()
-            await self._wait_running()
+                if reconciling is None and type(step) is Serve:  # started: reconcile too
+                    reconciling = self._start_reconciling()
+                    if self._guard is not None:
+                        housekeeping = asyncio.create_task(self._housekeeping(self._guard))
+                reply = await self._execute_step(step)
         finally:
+            lifecycle.close()
             if reconciling is not None:
                 await reconciling.stop()
             await self._close_connection()
@@ -217,11 +225,10 @@ class AsyncWorker(WorkerBase):
                 self._executor.shutdown(wait=not abandoned, cancel_futures=True)
             restore()
             self.run_ends()
-            self.log_stopped()
 
     async def _heartbeat(self) -> None:
         """Beat from the event loop itself: a loop blocked by a handler that never
-        awaits stops beating, and /healthz says so (consumer/_health.py)."""
+        awaits stops beating, and /healthz says so (consumer/health.py)."""
         while True:
             self.beat()
             await asyncio.sleep(HEARTBEAT_S)
@@ -231,65 +238,151 @@ class AsyncWorker(WorkerBase):
         connection of its own."""
         if not self.reconcilers:
             return None
-        topology, urls, settings = self.app.topology, self.urls, self.connection_settings
+        topology, urls, settings = self.app.topology, self.urls, self.settings.connection
 
         async def connect() -> AsyncPublisher:
             return await AsyncPublisher.connect(topology, urls, settings=settings)
 
-        metrics = self.metrics.metrics if self.metrics is not None else None
+        metrics = self.report.metrics.metrics if self.report.metrics is not None else None
         reconciling = AsyncReconciling(self.app, self.reconcilers, self.identity, connect, metrics)
         reconciling.start()
         return reconciling
 
-    # -- connection --------------------------------------------------------------------
+    # -- the lifecycle program's steps ------------------------------------------------------
 
-    async def _open(self, urls: tuple[str, ...] | None = None) -> None:
-        """Connect to the first of `urls` (default: all, in order) that answers, check the
-        broker and the queues, and consume. Raises the error tree's classes only."""
-        connection, url = await connect_first(
-            urls or self.urls, name=self.name, settings=self.connection_settings
-        )
+    async def _execute_step(self, step: LifecycleStep) -> object:
+        """One step of the lifecycle program (consumer/lifecycle.py); its reply."""
+        kind = type(step)
+        if kind is Serve:
+            return await self._serve()
+        if kind is Close:
+            await self._close_connection()
+            return None
+        if kind is Wait:
+            return await self._wait(step.seconds)  # type: ignore[union-attr]
+        if kind is Drain:
+            return await self._drain(step.seconds)  # type: ignore[union-attr]
+        if kind is WaitRunning:
+            return await self._wait_running(step.seconds)  # type: ignore[union-attr]
+        if kind is Cancel:
+            return await self._cancel()
         try:
-            broker = broker_info(connection)
-            self.check_broker(broker)
-            if self.declare and not self.ever_started:  # at start only: see connections.md
+            if kind is Connect:
+                return await self._connect(step.urls)  # type: ignore[union-attr]
+            connection = self._connection
+            assert connection is not None
+            if kind is CheckQueue:
+                return await _queue_exists(connection, step.name)  # type: ignore[union-attr]
+            if kind is Declare:
                 await declare_topology(connection, self.app.topology)
-            for queue_name in self.queue_names():
-                await _check_queue(connection, queue_name)
-            with mapped("opening the consuming channel"):
-                channel = await connection.channel(publisher_confirms=False)
-                await channel.set_qos(prefetch_count=self.prefetch)
-                raw = await channel.get_underlay_channel()
-            publisher = await AsyncPublisher(
-                self.app.topology, connection=connection, blocked_timeout=WORKER_BLOCKED_TIMEOUT_S
-            ).open()
-            lost = asyncio.Event()
+                return None
+            await self._consume_all(connection)
+        except _STEP_ERRORS as exc:
+            return exc
+        return None
 
-            def on_close(_sender: object = None, exc: BaseException | None = None) -> None:
-                # The first reason wins (the channel's, when the broker closed it).
-                if not lost.is_set():
-                    self._lost_reason = redact(repr(exc)) if exc is not None else "closed"
-                lost.set()
+    async def _connect(self, urls: tuple[str, ...]) -> Connected:
+        connection, url = await connect_first(
+            urls, name=self.name, settings=self.settings.connection
+        )
+        self._connection, self.url, self._broker = connection, url, broker_info(connection)
+        return Connected(url, self._broker)
 
-            connection.close_callbacks.add(on_close)
-            channel.close_callbacks.add(on_close)
-            tracker = AckTracker()  # one per channel: tags never outlive their channel
-            raw.on_consumer_cancel_callbacks.add(partial(self._on_cancel, raw, tracker))
-            # In place before the first delivery can arrive.
-            self._connection, self._channel, self._raw = connection, channel, raw
-            self._publisher, self._lost, self._broker = publisher, lost, broker
-            self.url = url
-            self._new_channel()
-            queues = ", ".join(self.queue_names())
-            with mapped(f"starting to consume {queues}", permission="read"):
-                for consumer in self.consumers:
-                    await self._consume(raw, tracker, consumer)
-        except BaseException:
-            self._connection = self._channel = self._raw = self._publisher = None
-            await close_quietly(connection)
-            raise
+    async def _consume_all(self, connection: AbstractConnection) -> None:
+        """Open the consuming channel (prefetch, a publisher for copies) and consume
+        every queue; raises the error tree's classes."""
+        with mapped("opening the consuming channel"):
+            channel = await connection.channel(publisher_confirms=False)
+            await channel.set_qos(prefetch_count=self.prefetch)
+            raw = await channel.get_underlay_channel()
+        publisher = await AsyncPublisher(
+            self.app.topology, connection=connection, blocked_timeout=WORKER_BLOCKED_TIMEOUT_S
+        ).open()
+        lost = asyncio.Event()
+
+        def on_close(_sender: object = None, exc: BaseException | None = None) -> None:
+            # The first reason wins (the channel's, when the broker closed it).
+            if not lost.is_set():
+                self._lost_reason = redact(repr(exc)) if exc is not None else "closed"
+            lost.set()
+
+        connection.close_callbacks.add(on_close)
+        channel.close_callbacks.add(on_close)
+        tracker = AckTracker()  # one per channel: tags never outlive their channel
+        raw.on_consumer_cancel_callbacks.add(partial(self._on_cancel, raw, tracker))
+        # In place before the first delivery can arrive.
+        self._channel, self._raw, self._publisher, self._lost = channel, raw, publisher, lost
+        self.new_channel()
+        queues = ", ".join(self.queue_names())
+        with mapped(f"starting to consume {queues}", permission="read"):
+            for consumer in self.consumers:
+                await self._consume(raw, tracker, consumer)
         self.started.set()
         self.ever_started = True
+
+    async def _serve(self) -> object:
+        """Until asked to stop (STOPPED) or the connection is lost (Lost)."""
+        stop, lost = self._stop, self._lost
+        assert stop is not None
+        assert lost is not None
+        waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(lost.wait())]
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for waiter in waiters:
+            waiter.cancel()
+        if stop.is_set():
+            return STOPPED
+        self.started.clear()
+        return Lost(self._lost_reason)
+
+    async def _wait(self, seconds: float) -> bool:
+        """Wait before the next reconnect round; True if asked to stop meanwhile."""
+        stop = self._stop
+        assert stop is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), seconds)
+        return stop.is_set()
+
+    async def _cancel(self) -> object:
+        """Cancel the consumers: the stop begins."""
+        self._stopping = True
+        raw = self._raw
+        try:
+            if raw is not None:
+                for tag in self.consumer_tags():
+                    await raw.basic_cancel(tag)
+        except _CHANNEL_GONE as exc:
+            return Lost(redact(repr(exc)))
+        return None
+
+    async def _drain(self, seconds: float) -> Drained:
+        """Let in-flight deliveries settle, up to `seconds` (or a forced stop), and their
+        acks reach the wire."""
+        idle = self._idle
+        assert idle is not None
+        if self._tasks:
+            idle.clear()
+            deadline = time.monotonic() + seconds
+            while self._tasks and not self._force and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(idle.wait(), 0.2)
+        unsettled = len(self._tasks)
+        self._flush()
+        if self._ack_writes:
+            await asyncio.wait(list(self._ack_writes), timeout=5)
+        return Drained(unsettled, self._force)
+
+    async def _wait_running(self, seconds: float) -> int:
+        """After the connection closed: let running handlers record their results in the
+        store (done or released), so it is never closed under one; their acks are stale.
+        How many still run after `seconds`; a forced stop skips this."""
+        if self._tasks and not self._force:
+            await asyncio.wait(list(self._tasks), timeout=seconds)
+        return 0 if self._force else len(self._tasks)
+
+    async def _close_connection(self) -> None:
+        connection, self._connection = self._connection, None
+        self._channel = self._raw = self._publisher = None
+        await close_quietly(connection)
 
     async def _consume(self, raw: RawChannel, tracker: AckTracker, consumer: Consumer) -> str:
         queue_name = self.app.topology.names.business_queue(consumer.queue)
@@ -297,7 +390,7 @@ class AsyncWorker(WorkerBase):
             queue_name, partial(self._on_delivery, consumer, tracker), no_ack=False
         )
         tag = str(ok.consumer_tag)
-        self._by_tag[tag] = consumer
+        self.consuming(tag, consumer)
         return tag
 
     def _on_cancel(self, raw: RawChannel, tracker: AckTracker, frame: Basic.Cancel) -> None:
@@ -305,7 +398,7 @@ class AsyncWorker(WorkerBase):
         if raw is not self._raw:  # a channel we already left
             return
         stopping = self._stopping or self._stop_requested
-        again = self._consumer_cancelled(str(frame.consumer_tag), self._broker, stopping)
+        again = self.consumer_cancelled(str(frame.consumer_tag), self._broker, stopping)
         if again is not None:
             task = asyncio.ensure_future(self._consume_again(raw, tracker, again))
             self._tasks.add(task)
@@ -322,66 +415,7 @@ class AsyncWorker(WorkerBase):
                 self._lost_reason = redact(repr(exc))
                 self._lost.set()
             return
-        log.info("%s: consuming again (consumer tag %s)", consumer.queue, tag)
-
-    async def _reconnect(self) -> None:
-        """Open a new connection, with backoff between rounds; each round tries the URLs
-        after the lost one first (a dead node last)."""
-        assert self._stop is not None
-        delays = self.reconnect_delays()
-        order = self.reconnect_order()
-        while not self._stop.is_set():
-            try:
-                await self._open(order)
-            except _RECONNECT_ERRORS as exc:
-                delay = next(delays)
-                self.log_reconnect_failed(str(exc) or repr(exc), delay)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), delay)
-            else:
-                self.log_reconnected()
-                return
-
-    async def _close_connection(self) -> None:
-        connection, self._connection = self._connection, None
-        self._channel = self._raw = self._publisher = None
-        await close_quietly(connection)
-
-    async def _shutdown(self) -> None:
-        """Cancel consumers, let in-flight handlers finish (up to the timeout), close."""
-        self._stopping = True
-        raw, idle = self._raw, self._idle
-        assert idle is not None
-        try:
-            if raw is not None:
-                for tag in list(self._by_tag):
-                    await raw.basic_cancel(tag)
-        except _CHANNEL_GONE as exc:
-            log.warning("connection lost during shutdown (%s)", redact(repr(exc)))
-        if self._tasks:
-            idle.clear()
-            deadline = time.monotonic() + self.shutdown_timeout
-            while self._tasks and not self._force and time.monotonic() < deadline:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(idle.wait(), 0.2)
-        if self._tasks:
-            self.log_shutdown_timeout(len(self._tasks), self._force)
-        self._flush()
-        if self._ack_writes:
-            await asyncio.wait(list(self._ack_writes), timeout=5)
-        await self._close_connection()
-
-    async def _wait_running(self) -> None:
-        """After the connection closed: let running handlers record their results in the
-        store (done or released), so it is never closed under one; their acks are stale.
-        A forced stop skips this."""
-        waited = 0.0
-        while self._tasks and not self._force:
-            await asyncio.wait(list(self._tasks), timeout=0.2)
-            waited += 0.2
-            if waited >= 10:
-                waited = 0.0
-                self.log_still_running(len(self._tasks))
+        self.report.consuming_again(consumer.queue, tag)
 
     # -- deliveries --------------------------------------------------------------------
 
@@ -413,7 +447,7 @@ class AsyncWorker(WorkerBase):
         self, consumer: Consumer, tracker: AckTracker, message: DeliveredMessage, tag: int
     ) -> None:
         """Drive one delivery's program to its end."""
-        self.stats.received += 1
+        self.report.arrived()
         props = message.header.properties
         delivery = Delivery(
             props.message_id,
@@ -438,7 +472,7 @@ class AsyncWorker(WorkerBase):
                 settled: Settled = stop.value
                 if settled.stale and not live.channel.is_closed:
                     tracker.settled(tag)  # its consumer was cancelled: never acked
-                self.account(settled)
+                self.report.settled(settled)
                 return
             try:
                 reply = await self._execute(live, step)
@@ -450,8 +484,7 @@ class AsyncWorker(WorkerBase):
 
     async def _execute(self, live: _Live, step: Step) -> object:
         if isinstance(step, Finish):  # always executed: the handler did run
-            if self.leases.drop(step.owner):
-                self.finished_after_lost_lease(step.key)
+            self.leases.finishing(step.key, step.owner, self.report)
             assert self._batches is not None
             return await self._batches.finish(step.key, step.owner, step.succeeded)
         if self._stale(live):
@@ -461,8 +494,7 @@ class AsyncWorker(WorkerBase):
                 return STOPPING
             assert self._batches is not None
             result = await self._batches.claim(step.key, step.owner)
-            if result is ClaimResult.CLAIMED:
-                self.leases.hold(step.key, step.owner, clock_ms())
+            self.leases.claimed(step.key, step.owner, result, self.clock())
             return result
         if isinstance(step, Run):
             return await self._run(live, step)
@@ -498,10 +530,10 @@ class AsyncWorker(WorkerBase):
                 return STOPPING
             consumer, prepared = step.consumer, step.prepared
             if consumer.is_async:
-                return await call_async_handler(consumer, prepared, self.metrics)
+                return await call_async_handler(consumer, prepared, self.report.timer)
             assert self._loop is not None
             return await self._loop.run_in_executor(
-                self._executor, call_handler, consumer, prepared, self.metrics
+                self._executor, call_handler, consumer, prepared, self.report.timer
             )
 
     def _ack(self, channel: RawChannel, tracker: AckTracker, tag: int) -> None:
@@ -534,31 +566,31 @@ class AsyncWorker(WorkerBase):
             log.debug("acks lost with their channel; the broker redelivers those messages")
 
     async def _housekeeping(self, guard: AsyncGuard) -> None:
-        """Renew the leases of running handlers; purge expired records now and then. No
-        lock is held across a store round trip."""
-        book = self.leases
+        """The housekeeping program (consumer/housekeeping.py) in a task of its own."""
+        program = self.housekeeping(purges=guard.store.needs_purge)
+        reply: object = None
         while True:
-            await asyncio.sleep(book.every_ms / 2000)
-            for key, owner in book.due(clock_ms()):
-                try:
-                    ok = await guard.renew(key, owner)
-                except Exception as exc:
-                    log.warning("lease renewal of %s failed: %r", key, exc)
-                    continue
-                if book.renewed(owner, ok, clock_ms()):
-                    self.lease_lost(key, owner)
-            if guard.store.needs_purge and self.purge_due():
-                try:
-                    await guard.purge()
-                except Exception as exc:
-                    log.warning("idempotency purge failed: %r", exc)
+            try:
+                step = program.send(reply)
+            except StopIteration:
+                return
+            try:
+                if type(step) is Sleep:
+                    await asyncio.sleep(step.seconds)
+                    reply = False
+                elif type(step) is Renew:
+                    reply = await guard.renew(step.key, step.owner)
+                else:
+                    reply = await guard.purge()
+            except Exception as exc:
+                reply = exc
 
     # -- signals ---------------------------------------------------------------------------
 
     def _install_signals(self) -> Callable[[], None]:
         loop = self._loop
         in_main = threading.current_thread() is threading.main_thread()
-        if loop is None or not self.install_signal_handlers or not in_main:
+        if loop is None or not self.settings.install_signal_handlers or not in_main:
             return lambda: None
         sigs = (signal.SIGINT, signal.SIGTERM)
 
@@ -692,15 +724,16 @@ class _StoreBatches:
                 future.set_result(result)
 
 
-async def _check_queue(connection: AbstractConnection, queue_name: str) -> None:
+async def _queue_exists(connection: AbstractConnection, queue_name: str) -> bool:
     """Passive declare on a throwaway channel: needs no configure permission."""
     with mapped(f"checking queue {queue_name!r}", permission="read"):
         channel = await connection.channel(publisher_confirms=False)
         try:
             await channel.declare_queue(queue_name, passive=True)
         except aiormq.exceptions.ChannelNotFoundEntity:
-            raise WorkerBase.missing_queue(queue_name) from None
+            return False
         finally:
             if not channel.is_closed:
                 with contextlib.suppress(*CLIENT_ERRORS, RuntimeError):
                     await channel.close()
+    return True

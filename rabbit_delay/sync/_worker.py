@@ -66,10 +66,31 @@ from rabbit_delay._consumer.delivery import (
     WriteNack,
     WriteReject,
 )
-from rabbit_delay._consumer.stats import log_connection_lost
-from rabbit_delay._consumer.worker_base import WorkerBase, WorkerSettings, call_handler
+from rabbit_delay._consumer.handlers import call_handler
+from rabbit_delay._consumer.housekeeping import Renew, Sleep
+from rabbit_delay._consumer.leases import claim_with, finish_with
+from rabbit_delay._consumer.lifecycle import (
+    STOPPED,
+    Cancel,
+    CheckQueue,
+    Close,
+    Connect,
+    Connected,
+    Declare,
+    Drain,
+    Drained,
+    LifecycleStep,
+    Lost,
+    Serve,
+    Wait,
+    WaitRunning,
+)
+from rabbit_delay._consumer.settings import WorkerOptions
+from rabbit_delay._consumer.worker import WorkerCore
 from rabbit_delay._errors import BrokerError, BrokerUnavailable, PublishError, RabbitDelayError
-from rabbit_delay._idempotency.guard import ClaimResult, Guard
+from rabbit_delay._idempotency.guard import Guard
+from rabbit_delay._observe import tracing
+from rabbit_delay._observe.report import WorkerReport
 from rabbit_delay._stop_signals import install_stop_signals
 from rabbit_delay._urls import redact
 from rabbit_delay.sync._connection import broker_info, close_quietly, connect_first
@@ -89,8 +110,9 @@ STORE_BATCH = 64
 # What ends a connection's loop: any client error (a lost connection, the consuming
 # channel closed by the broker, ...) and a lost connection the map already translated.
 _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (*CLIENT_ERRORS, BrokerUnavailable)
-# What a reconnect round may meet: the next node may lack the topology, refuse the user...
-_RECONNECT_ERRORS: tuple[type[BaseException], ...] = (RabbitDelayError, *CLIENT_ERRORS)
+# What a lifecycle step may meet, replied to the program: it decides whether that stops
+# the start or fails one reconnect round (consumer/lifecycle.py).
+_STEP_ERRORS: tuple[type[BaseException], ...] = (RabbitDelayError, *CLIENT_ERRORS)
 
 
 class _Back(Enum):
@@ -111,7 +133,7 @@ class _Live:
     program: Program | None  # made on a handler thread for a store that never blocks
 
 
-class Worker(WorkerBase):
+class Worker(WorkerCore):
     """Runs an App's consumers on pika until `stop()` (or SIGINT/SIGTERM).
 
     `prefetch` (default 2 x concurrency) bounds unacked deliveries per consumer;
@@ -124,19 +146,20 @@ class Worker(WorkerBase):
     unknown queue or a malformed URL list; `run()` raises BrokerUnavailable (every URL
     tried, and why), MissingObjectError, AccessRefused, IncompatibleBroker or
     DeclarationConflict when it cannot start. After a successful start, lost
-    connections are re-opened with backoff, over every URL (see WorkerBase).
+    connections are re-opened with backoff, over every URL (see WorkerCore).
     """
 
     transport = Transport.SYNC
     default_concurrency = 4
+    report: WorkerReport
 
     def __init__(
         self,
         app: App,
         url: str | Sequence[str] | None = None,
-        **settings: Unpack[WorkerSettings],
+        **options: Unpack[WorkerOptions],
     ) -> None:
-        super().__init__(app, url, **settings)
+        super().__init__(app, url, report=WorkerReport, tracer=tracing.active, **options)
         self._guard: Guard | None = app.guard() if self.guarded else None
         self._stop = threading.Event()
         self._force = threading.Event()  # abandon running handlers (second signal)
@@ -180,28 +203,24 @@ class Worker(WorkerBase):
 
     def run(self) -> None:
         """Consume until stopped. Raises BrokerUnavailable / MissingObjectError /
-        DeclarationConflict when it cannot start."""
+        DeclarationConflict / IncompatibleBroker / AccessRefused when it cannot start."""
         restore = self._install_signals()
         self.run_begins()
         reconciling: Reconciling | None = None
+        lifecycle = self.lifecycle()
         try:
             self._start_threads()
-            self._open()
-            self.log_consuming()
-            reconciling = self._start_reconciling()
-            while not self._stop.is_set():
+            reply: object = None
+            while True:
                 try:
-                    self._loop()
-                except _CONNECTION_ERRORS as exc:
-                    if self._stop.is_set():
-                        break
-                    log_connection_lost(self._why(exc), self.queue_names())
-                    self._lost()
-                    self._reconnect()
-            if self._conn is not None:
-                self._shutdown()
-            self._wait_running()
+                    step = lifecycle.send(reply)
+                except StopIteration:
+                    break
+                if reconciling is None and type(step) is Serve:  # started: reconcile too
+                    reconciling = self._start_reconciling()
+                reply = self._execute(step)
         finally:
+            lifecycle.close()
             self._stop.set()
             if reconciling is not None:
                 reconciling.stop()
@@ -217,19 +236,18 @@ class Worker(WorkerBase):
                     t.join(timeout=1)
             restore()
             self.run_ends()
-            self.log_stopped()
 
     def _start_reconciling(self) -> Reconciling | None:
         """The app's reconcilers on a thread of their own, each run publishing on a
         connection of its own (this one belongs to this thread)."""
         if not self.reconcilers:
             return None
-        topology, urls, settings = self.app.topology, self.urls, self.connection_settings
+        topology, urls, settings = self.app.topology, self.urls, self.settings.connection
 
         def connect() -> Publisher:
             return Publisher.connect(topology, urls, settings=settings)
 
-        metrics = self.metrics.metrics if self.metrics is not None else None
+        metrics = self.report.metrics.metrics if self.report.metrics is not None else None
         reconciling = Reconciling(self.app, self.reconcilers, self.identity, connect, metrics)
         reconciling.start()
         return reconciling
@@ -265,53 +283,18 @@ class Worker(WorkerBase):
             exc = reason
         return redact(repr(exc))
 
-    def _open(self, urls: tuple[str, ...] | None = None) -> None:
-        """Connect to the first of `urls` (default: all, in order) that answers, check the
-        broker and the queues, and consume. Raises the error tree's classes only."""
-        conn, url = connect_first(
-            urls or self.urls, name=self.name, settings=self.connection_settings
-        )
-        try:
-            broker = broker_info(conn)
-            self.check_broker(broker)
-            if self.declare and not self.ever_started:  # at start only: see connections.md
-                declare_topology(conn, self.app.topology)
-            queue_names = self.queue_names()
-            for queue_name in queue_names:
-                _check_queue(conn, queue_name)
-            with mapped(f"starting to consume {', '.join(queue_names)}", permission="read"):
-                channel = conn.channel()
-                channel.basic_qos(prefetch_count=self.prefetch)
-                channel.add_on_cancel_callback(self._on_cancel)
-                self._publisher = Publisher(
-                    self.app.topology, connection=conn, blocked_timeout=WORKER_BLOCKED_TIMEOUT_S
-                ).open()
-                self._conn, self._channel, self._broker = conn, channel, broker
-                self.url = url
-                self._tracker = AckTracker()  # one per channel: tags never outlive their channel
-                self._new_channel()
-                self._resubscribe = []
-                for consumer in self.consumers:
-                    self._consume(channel, consumer)
-        except BaseException:
-            self._conn = self._channel = self._publisher = None
-            close_quietly(conn)
-            raise
-        self.started.set()
-        self.ever_started = True
-
     def _consume(self, channel: BlockingChannel, consumer: Consumer) -> str:
         queue_name = self.app.topology.names.business_queue(consumer.queue)
         tag: str = channel.basic_consume(
             queue_name, partial(self._on_message, consumer), auto_ack=False
         )
-        self._by_tag[tag] = consumer
+        self.consuming(tag, consumer)
         return tag
 
     def _on_cancel(self, frame: Any) -> None:
         """basic.cancel from the broker (pika calls this while dispatching events)."""
         stopping = self._stopping or self._stop.is_set()
-        again = self._consumer_cancelled(str(frame.method.consumer_tag), self._broker, stopping)
+        again = self.consumer_cancelled(str(frame.method.consumer_tag), self._broker, stopping)
         if again is not None:  # consumed again from the loop, outside pika's dispatch
             self._resubscribe.append(again)
 
@@ -321,51 +304,126 @@ class Worker(WorkerBase):
         while self._resubscribe and not self._stopping:
             consumer = self._resubscribe.pop(0)
             tag = self._consume(channel, consumer)
-            log.info("%s: consuming again (consumer tag %s)", consumer.queue, tag)
+            self.report.consuming_again(consumer.queue, tag)
 
     def _lost(self) -> None:
-        self.stats.reconnects += 1
         self.started.clear()
         self._gen += 1  # every delivery of the old channel is now stale
         self._inflight = 0
         self._wake_pending = False
         self._close_connection()
 
-    def _reconnect(self) -> None:
-        """Open a new connection, with backoff between rounds; each round tries the URLs
-        after the lost one first (a dead node last)."""
-        delays = self.reconnect_delays()
-        order = self.reconnect_order()
-        while not self._stop.is_set():
-            self.beat()
-            try:
-                self._open(order)
-            except _RECONNECT_ERRORS as exc:
-                delay = next(delays)
-                self.log_reconnect_failed(str(exc) or repr(exc), delay)
-                deadline = time.monotonic() + delay
-                while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
-                    self.beat()  # waiting is what this loop does now: it is alive
-                    self._stop.wait(min(left, 1.0))
-            else:
-                self.log_reconnected()
-                return
-
     def _close_connection(self) -> None:
         conn, self._conn, self._channel, self._publisher = self._conn, None, None, None
         self._resubscribe = []
         close_quietly(conn)
 
-    def _shutdown(self) -> None:
-        """Cancel consumers, let in-flight handlers finish (up to the timeout), close."""
-        conn, channel = self._conn, self._channel
+    # -- the lifecycle program's steps (connection thread) --------------------------------
+
+    def _execute(self, step: LifecycleStep) -> object:
+        """One step of the lifecycle program (consumer/lifecycle.py); its reply."""
+        kind = type(step)
+        if kind is Serve:
+            return self._serve()
+        if kind is Connect:
+            return self._connect(step.urls)  # type: ignore[union-attr]
+        if kind is Close:
+            self._close_connection()
+            return None
+        if kind is Wait:
+            return self._wait(step.seconds)  # type: ignore[union-attr]
+        if kind is Drain:
+            return self._drain_all(step.seconds)  # type: ignore[union-attr]
+        if kind is WaitRunning:
+            return self._wait_running(step.seconds)  # type: ignore[union-attr]
+        if kind is Cancel:
+            return self._cancel()
+        try:
+            if kind is CheckQueue:
+                return _queue_exists(self._connection(), step.name)  # type: ignore[union-attr]
+            if kind is Declare:
+                declare_topology(self._connection(), self.app.topology)
+                return None
+            self._consume_all()
+        except _STEP_ERRORS as exc:
+            return exc
+        return None
+
+    def _connection(self) -> pika.BlockingConnection:
+        conn = self._conn
         assert conn is not None
+        return conn
+
+    def _connect(self, urls: tuple[str, ...]) -> object:
+        self.beat()
+        try:
+            conn, url = connect_first(urls, name=self.name, settings=self.settings.connection)
+        except _STEP_ERRORS as exc:
+            return exc
+        self._conn, self.url, self._broker = conn, url, broker_info(conn)
+        return Connected(url, self._broker)
+
+    def _consume_all(self) -> None:
+        """Open the consuming channel (prefetch, a publisher for copies) and consume
+        every queue; raises the error tree's classes."""
+        conn = self._connection()
+        with mapped(f"starting to consume {', '.join(self.queue_names())}", permission="read"):
+            channel = conn.channel()
+            channel.basic_qos(prefetch_count=self.prefetch)
+            channel.add_on_cancel_callback(self._on_cancel)
+            self._publisher = self._new_publisher(conn)
+            self._channel = channel
+            self._tracker = AckTracker()  # one per channel: tags never outlive their channel
+            self.new_channel()
+            self._resubscribe = []
+            for consumer in self.consumers:
+                self._consume(channel, consumer)
+        self.started.set()
+        self.ever_started = True
+
+    def _new_publisher(self, conn: pika.BlockingConnection) -> Publisher:
+        """The publisher of retry and park copies, on the worker's own connection."""
+        return Publisher(
+            self.app.topology, connection=conn, blocked_timeout=WORKER_BLOCKED_TIMEOUT_S
+        ).open()
+
+    def _serve(self) -> object:
+        """Consume until asked to stop (STOPPED) or the connection is lost (Lost)."""
+        try:
+            self._loop()
+        except _CONNECTION_ERRORS as exc:
+            if not self._stop.is_set():
+                why = self._why(exc)
+                self._lost()
+                return Lost(why)
+        return STOPPED
+
+    def _wait(self, seconds: float) -> bool:
+        """Wait before the next reconnect round; True if asked to stop meanwhile."""
+        deadline = time.monotonic() + seconds
+        while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
+            self.beat()  # waiting is what this loop does now: it is alive
+            self._stop.wait(min(left, 1.0))
+        return self._stop.is_set()
+
+    def _cancel(self) -> object:
+        """Cancel the consumers: the stop begins."""
+        channel = self._channel
         assert channel is not None
         self._stopping = True
         try:
-            for tag in list(self._by_tag):
+            for tag in self.consumer_tags():
                 channel.basic_cancel(tag)
-            deadline = time.monotonic() + self.shutdown_timeout
+        except _CONNECTION_ERRORS as exc:
+            self._gen += 1
+            return Lost(self._why(exc))
+        return None
+
+    def _drain_all(self, seconds: float) -> object:
+        """Let in-flight deliveries settle, up to `seconds` (or a forced stop)."""
+        conn = self._connection()
+        deadline = time.monotonic() + seconds
+        try:
             while self._inflight > 0 and time.monotonic() < deadline:
                 if self._force.is_set():
                     break
@@ -373,27 +431,24 @@ class Worker(WorkerBase):
                 conn.process_data_events(time_limit=0.05)
                 self._drain()
         except _CONNECTION_ERRORS as exc:
-            log.warning("connection lost during shutdown (%s)", self._why(exc))
             self._gen += 1
-            return
-        if self._inflight:
-            self.log_shutdown_timeout(self._inflight, self._force.is_set())
+            return Lost(self._why(exc))
         self._gen += 1  # what settles from now on cannot be acked
-        self._close_connection()
+        return Drained(self._inflight, self._force.is_set())
 
-    def _wait_running(self) -> None:
+    def _wait_running(self, seconds: float) -> int:
         """After the connection closed: let running handlers record their results in the
-        store (done or released), so it is never closed under one. A forced stop skips
-        this: their claims run out after the lease."""
-        last_note = time.monotonic()
+        store (done or released), so it is never closed under one; how many still run
+        after `seconds`. A forced stop skips this: their claims run out after the lease."""
+        deadline = time.monotonic() + seconds
         while (self._running or self._results) and not self._force.is_set():
+            if time.monotonic() >= deadline:
+                return self._running
             self.beat()
             time.sleep(0.05)
             self._drain()
-            if time.monotonic() - last_note >= 10:
-                last_note = time.monotonic()
-                self.log_still_running(self._running)
         self._drain()
+        return 0
 
     def _on_message(
         self,
@@ -404,7 +459,7 @@ class Worker(WorkerBase):
         body: bytes,
     ) -> None:
         self._inflight += 1
-        self.stats.received += 1
+        self.report.arrived()
         tag: int = method.delivery_tag
         self._tracker.delivered(tag)
         # Its program runs on the handler threads (and its store steps on the store
@@ -469,17 +524,17 @@ class Worker(WorkerBase):
             self._inflight -= 1
             if settled.stale:  # its consumer was cancelled: never acked on this channel
                 self._tracker.settled(live.tag)
-        self.account(settled)
+        self.report.settled(settled)
 
-    def _publish(self, step: Publish) -> Exception | None:
+    def _publish(self, step: Publish) -> object:
+        """A copy, on the worker's connection; a publisher whose channel was lost is opened
+        again for the next copy. The connection gone: STALE (the broker redelivers)."""
+        conn = self._conn
+        if conn is None:
+            return STALE
         try:
             if self._publisher is None:
-                assert self._conn is not None
-                self._publisher = Publisher(
-                    self.app.topology,
-                    connection=self._conn,
-                    blocked_timeout=WORKER_BLOCKED_TIMEOUT_S,
-                ).open()
+                self._publisher = self._new_publisher(conn)
             self._publisher.publish_outgoing((step.outgoing,))
         except (PublishError, BrokerError) as exc:
             if isinstance(exc, BrokerError):  # its channel is gone: open another next time
@@ -559,7 +614,7 @@ class Worker(WorkerBase):
             return STOPPING
         run: Any = step
         try:
-            return call_handler(run.consumer, run.prepared, self.metrics)
+            return call_handler(run.consumer, run.prepared, self.report.timer)
         except BaseException as exc:  # a KeyboardInterrupt-like escape: a failure
             return RuntimeError(f"handler escaped with {exc!r}")
 
@@ -602,11 +657,13 @@ class Worker(WorkerBase):
     def _claim_now(self, step: Claim) -> object:
         """A store that never blocks (memory): claimed on the handler thread at once."""
         assert self._guard is not None
-        return self.claim_now(self._guard, step)
+        return claim_with(self._guard, self.leases, step.key, step.owner, self.clock())
 
     def _finish_now(self, step: Finish) -> object:
         assert self._guard is not None
-        return self.finish_now(self._guard, step)
+        return finish_with(
+            self._guard, self.leases, step.key, step.owner, step.succeeded, self.report
+        )
 
     # -- the store thread ------------------------------------------------------------------
 
@@ -628,22 +685,12 @@ class Worker(WorkerBase):
                 batch.append(more)
             finishes = [(live, op) for live, op in batch if type(op) is Finish]
             claims = [(live, op) for live, op in batch if type(op) is Claim]
-            lost = self.leases.drop_many([op.owner for _, op in finishes])
-            for _, op in finishes:
-                if op.owner in lost:
-                    self.finished_after_lost_lease(op.key)
+            self.leases.finishing_many([(op.key, op.owner) for _, op in finishes], self.report)
+            pairs = [(op.key, op.owner) for _, op in claims]
             finished, claimed = guard.finish_and_claim_many(
-                [(op.key, op.owner, op.succeeded) for _, op in finishes],
-                [(op.key, op.owner) for _, op in claims],
+                [(op.key, op.owner, op.succeeded) for _, op in finishes], pairs
             )
-            self.leases.hold_many(
-                [
-                    (op.key, op.owner)
-                    for (_, op), result in zip(claims, claimed, strict=True)
-                    if result is ClaimResult.CLAIMED
-                ],
-                clock_ms(),
-            )
+            self.leases.claimed_many(pairs, claimed, self.clock())
             # Each program goes on here up to its next Run (for a handler thread) or its
             # first settle step (for the connection thread, woken once per batch).
             back = []
@@ -659,20 +706,28 @@ class Worker(WorkerBase):
                     self._wake()
 
     def _housekeeping(self, guard: Guard) -> None:
-        """Renew the leases of running handlers; purge expired records now and then. No
-        lock is held across a store round trip."""
-        while not self._done.wait(self.leases.every_ms / 2000):
-            self.renew_due(guard.renew)
-            if guard.store.needs_purge and self.purge_due():
-                try:
-                    guard.purge()
-                except Exception as exc:
-                    log.warning("idempotency purge failed: %r", exc)
+        """The housekeeping program (consumer/housekeeping.py) on a thread of its own."""
+        program = self.housekeeping(purges=guard.store.needs_purge)
+        reply: object = None
+        while True:
+            try:
+                step = program.send(reply)
+            except StopIteration:
+                return
+            try:
+                if type(step) is Sleep:
+                    reply = self._done.wait(step.seconds)
+                elif type(step) is Renew:
+                    reply = guard.renew(step.key, step.owner)
+                else:
+                    reply = guard.purge()
+            except Exception as exc:
+                reply = exc
 
     # -- signals -----------------------------------------------------------------------------
 
     def _install_signals(self) -> Any:
-        if not self.install_signal_handlers:
+        if not self.settings.install_signal_handlers:
             return lambda: None
 
         def on_signal(name: str) -> None:
@@ -684,7 +739,7 @@ class Worker(WorkerBase):
         return install_stop_signals(on_signal)
 
 
-def _check_queue(conn: pika.BlockingConnection, queue_name: str) -> None:
+def _queue_exists(conn: pika.BlockingConnection, queue_name: str) -> bool:
     """Passive declare on a throwaway channel: needs no configure permission."""
     with mapped(f"checking queue {queue_name!r}", permission="read"):
         channel = conn.channel()
@@ -693,8 +748,9 @@ def _check_queue(conn: pika.BlockingConnection, queue_name: str) -> None:
         except pika.exceptions.ChannelClosedByBroker as exc:
             if exc.reply_code != 404:
                 raise
-            raise WorkerBase.missing_queue(queue_name) from None
+            return False
         _quietly(channel.close)
+    return True
 
 
 def _quietly(close: Any) -> None:

@@ -25,6 +25,7 @@ Importing this package imports neither pika nor aio-pika.
 
 from __future__ import annotations
 
+from rabbit_delay._consumer.outcome import Outcome
 from rabbit_delay.testing._broker import (
     DEFAULT_VERSION,
     Channel,
@@ -36,7 +37,7 @@ from rabbit_delay.testing._broker import (
 )
 from rabbit_delay.testing._kit import TestBroker
 from rabbit_delay.testing._publisher import AsyncMemoryPublisher, MemoryPublisher
-from rabbit_delay.testing._worker import Handled, MemoryWorker, Outcome
+from rabbit_delay.testing._worker import Handled, MemoryWorker
 
 __all__ = [
     "DEFAULT_VERSION",

@@ -10,15 +10,16 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from rabbit_delay._consumer.app import App
-from rabbit_delay._consumer.stats import WorkerStats
-from rabbit_delay._consumer.worker_base import DEFAULT_SHUTDOWN_TIMEOUT_S
+from rabbit_delay._consumer.outcome import Outcome
+from rabbit_delay._consumer.settings import DEFAULT_SHUTDOWN_TIMEOUT_S
 from rabbit_delay._durations import DurationLike
 from rabbit_delay._errors import ConfigError
 from rabbit_delay._idempotency.guard import IdempotencyStore
+from rabbit_delay._observe.report import WorkerStats
 from rabbit_delay._topology.model import Topology
 from rabbit_delay.testing._broker import DEFAULT_VERSION, MemoryBroker, Message
 from rabbit_delay.testing._publisher import AsyncMemoryPublisher, MemoryPublisher
-from rabbit_delay.testing._worker import Handled, MemoryWorker, Outcome
+from rabbit_delay.testing._worker import Handled, MemoryWorker
 
 if TYPE_CHECKING:
     from rabbit_delay._observe.metrics import Metrics

@@ -34,11 +34,11 @@ def _send(
         try:
             routed = broker.publish(out)
         except RabbitDelayError as exc:
-            return core.finish(ledger, exc)
+            return core.result(ledger, exc)
         if not routed and out.mandatory:
             ledger.returned(out.message_id, NO_ROUTE)  # basic.return comes before the ack
         ledger.ack(tag)
-    return core.finish(ledger)
+    return core.result(ledger)
 
 
 class _OnMemoryBroker(PublisherCore[OneT, ManyT], Generic[OneT, ManyT]):

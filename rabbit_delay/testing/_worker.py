@@ -22,21 +22,15 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from rabbit_delay._consumer.app import App, Consumer, Transport, _is_async_store
 from rabbit_delay._consumer.context import HandlerContext
 from rabbit_delay._consumer.decide import (
-    Ack,
     Action,
-    BrokerRetry,
     Park,
     Republish,
-    RepublishReason,
-    Requeue,
     Skip,
-    SkipReason,
 )
 from rabbit_delay._consumer.delivery import (
     STALE,
@@ -53,14 +47,31 @@ from rabbit_delay._consumer.delivery import (
     WriteNack,
     WriteReject,
 )
-from rabbit_delay._consumer.worker_base import (
-    DEFAULT_SHUTDOWN_TIMEOUT_S,
-    WorkerBase,
-    call_async_handler,
-    call_handler,
+from rabbit_delay._consumer.handlers import call_async_handler, call_handler
+from rabbit_delay._consumer.housekeeping import Renew, Sleep
+from rabbit_delay._consumer.leases import claim_with, finish_with
+from rabbit_delay._consumer.lifecycle import (
+    STOPPED,
+    Cancel,
+    CheckQueue,
+    Close,
+    Connect,
+    Connected,
+    Consume,
+    Declare,
+    Drain,
+    Drained,
+    Lifecycle,
+    LifecycleStep,
+    Serve,
 )
-from rabbit_delay._errors import BrokerError, ConfigError, PublishError
+from rabbit_delay._consumer.outcome import Outcome
+from rabbit_delay._consumer.settings import DEFAULT_SHUTDOWN_TIMEOUT_S
+from rabbit_delay._consumer.worker import WorkerCore
+from rabbit_delay._errors import BrokerError, ConfigError, PublishError, RabbitDelayError
 from rabbit_delay._idempotency.guard import ClaimResult, Guard, IdempotencyStore
+from rabbit_delay._observe import tracing
+from rabbit_delay._observe.report import WorkerReport
 from rabbit_delay._stores.memory import MemoryStore
 from rabbit_delay.testing._broker import Channel, Delivered, KitError, MemoryBroker
 from rabbit_delay.testing._publisher import MemoryPublisher
@@ -74,20 +85,6 @@ log = logging.getLogger("rabbit_delay.worker")
 MEMORY_URL = "amqp://rabbit-delay-testing/"
 # How much virtual time a stop may take beyond shutdown_timeout (handlers that go on).
 STOP_LIMIT_S = 86_400.0
-
-
-class Outcome(StrEnum):
-    """What became of one delivery, as the worker's counters name it."""
-
-    ACKED = "acked"  # the handler returned
-    RETRIED = "retried"  # failed: another attempt later (tiers, or the broker's retry)
-    PARKED = "parked"  # in the parking lot, with the reason
-    DUPLICATE = "duplicate"  # already handled: acked, not run
-    CANCELLED = "cancelled"  # app.cancel() left a tombstone: acked, not run
-    DEFERRED = "deferred"  # a copy was running (or the store failed): looked at again later
-    REQUEUED = "requeued"  # nacked back at once (the store failed, on RabbitMQ 4.3+)
-    HANDED_BACK = "handed_back"  # not started when the worker stopped: nacked back
-    STALE = "stale"  # its channel was gone: the broker delivers it again
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,27 +109,6 @@ class Handled:
         return datetime.fromtimestamp(self.at_ms / 1000, UTC)
 
 
-def outcome_of(settled: Settled) -> Outcome:
-    """The Outcome of a settled delivery (the same classes as WorkerStats)."""
-    action = settled.action
-    if settled.stale:
-        return Outcome.STALE
-    if action is None:
-        return Outcome.HANDED_BACK
-    if isinstance(action, Ack):
-        return Outcome.ACKED
-    if isinstance(action, Skip):
-        return Outcome.DUPLICATE if action.reason is SkipReason.DUPLICATE else Outcome.CANCELLED
-    if isinstance(action, Republish):
-        return Outcome.RETRIED if action.reason is RepublishReason.RETRY else Outcome.DEFERRED
-    if isinstance(action, Park):
-        return Outcome.PARKED
-    if isinstance(action, BrokerRetry):
-        return Outcome.RETRIED
-    assert isinstance(action, Requeue)
-    return Outcome.REQUEUED
-
-
 def _reason(action: Action | None) -> str | None:
     if isinstance(action, Park | Skip | Republish):
         return action.reason.value
@@ -151,7 +127,7 @@ class _Live:
     error: BaseException | None = None
 
 
-class MemoryWorker(WorkerBase):
+class MemoryWorker(WorkerCore):
     """Runs an App's consumers on a MemoryBroker, in virtual time.
 
     `store`: the idempotency store; default: the app's own (`App(store=...)`) when it
@@ -167,6 +143,7 @@ class MemoryWorker(WorkerBase):
 
     transport = Transport.MEMORY
     default_concurrency = 16
+    report: WorkerReport
 
     def __init__(
         self,
@@ -185,6 +162,8 @@ class MemoryWorker(WorkerBase):
         super().__init__(
             app,
             MEMORY_URL,
+            report=WorkerReport,
+            tracer=tracing.active,
             queues=queues,
             prefetch=prefetch,
             concurrency=concurrency,
@@ -208,7 +187,8 @@ class MemoryWorker(WorkerBase):
         self.publisher = MemoryPublisher(app.topology, broker, metrics=metrics)
         self.records: list[Handled] = []
         self._channel: Channel | None = None
-        self._tags: list[str] = []
+        self._lifecycle: Lifecycle | None = None
+        self._force = False
         self._gen = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._starting = 0  # deliveries whose task is about to start
@@ -223,18 +203,38 @@ class MemoryWorker(WorkerBase):
 
     def start(self) -> MemoryWorker:
         """Check the broker and the queues (declaring the topology first with
-        `declare=True`), guard the app, and consume. Raises IncompatibleBroker,
-        DeclarationConflict, MissingObjectError (a queue the topology needs is absent:
-        declare it, or start with declare=True), KitError when already started."""
-        if self._channel is not None or self._stopped:
+        `declare=True`), guard the app, and consume: the lifecycle program of the real
+        workers up to its Serve step. Raises IncompatibleBroker, DeclarationConflict,
+        MissingObjectError (a queue the topology needs is absent: declare it, or start
+        with declare=True), KitError when already started."""
+        if self._lifecycle is not None or self._stopped:
             raise KitError("this in-memory worker was started already; make a new one")
+        lifecycle = self._lifecycle = self.lifecycle()
+        reply: object = None
+        while type(step := lifecycle.send(reply)) is not Serve:
+            reply = self._start_step(step)
+        return self
+
+    def _start_step(self, step: LifecycleStep) -> object:
+        """A step of the lifecycle program before it serves."""
         broker = self.broker
-        self.check_broker(broker.info)
-        if self.declare:
-            broker.declare(self.app.topology)
-        for queue_name in self.queue_names():
-            if not broker.has_queue(queue_name):
-                raise self.missing_queue(queue_name)
+        kind = type(step)
+        if kind is Connect:
+            return Connected(self.url, broker.info)
+        if kind is CheckQueue:
+            return broker.has_queue(step.name)  # type: ignore[union-attr]
+        if kind is Declare:
+            try:
+                broker.declare(self.app.topology)
+            except RabbitDelayError as exc:
+                return exc
+            return None
+        if kind is Consume:
+            self._consume_all()
+        return None  # Close: nothing was opened
+
+    def _consume_all(self) -> None:
+        broker = self.broker
         self._restore = self.app._install_guard(self._store, self.clock)
         self.guard = self.app.guard() if self.guarded else None
         self._unregister = broker.register_busy(self.busy)
@@ -244,22 +244,9 @@ class MemoryWorker(WorkerBase):
             deliver = self._on_delivery_of(consumer)
             queue_name = names.business_queue(consumer.queue)
             tag = channel.consume(queue_name, deliver, prefetch=self.prefetch)
-            self._by_tag[tag] = consumer
-            self._tags.append(tag)
+            self.consuming(tag, consumer)
         self.started.set()
         self.ever_started = True
-        self.log_consuming()
-        return self
-
-    def log_consuming(self) -> None:
-        log.info(
-            "in-memory worker %s consuming %s (%s emulated; prefetch %d, concurrency %d)",
-            self.identity,
-            ", ".join(c.queue for c in self.consumers),
-            self.broker.info.describe(),
-            self.prefetch,
-            self.concurrency,
-        )
 
     def busy(self) -> bool:
         """Deliveries are in progress (for MemoryBroker.idle)."""
@@ -267,11 +254,13 @@ class MemoryWorker(WorkerBase):
 
     def stop(self, *, force: bool = False) -> None:
         """Stop as the real workers do on SIGTERM, in virtual time (see the module
-        docstring); returns once stopped, the app's own guard put back. With `force`,
-        running handlers are abandoned (cancelled; their claims run out after the lease).
-        Raises KitError when called from inside a handler."""
+        docstring): the lifecycle program from its Serve step on. Returns once stopped,
+        the app's own guard put back. With `force`, running handlers are abandoned
+        (cancelled; their claims run out after the lease). Raises KitError when called
+        from inside a handler."""
         if self._channel is None or self._stopped:
             return
+        self._force = force
         done: list[bool] = []
 
         def stopped(task: asyncio.Future[None]) -> None:
@@ -279,7 +268,7 @@ class MemoryWorker(WorkerBase):
             self._failed(task)
 
         def begin() -> None:
-            asyncio.ensure_future(self._shutdown(force)).add_done_callback(stopped)
+            asyncio.ensure_future(self._shutdown()).add_done_callback(stopped)
 
         self.broker.loop.call_soon(begin)
         limit = f"{self.shutdown_timeout + STOP_LIMIT_S}s"
@@ -289,32 +278,52 @@ class MemoryWorker(WorkerBase):
                 f"{len(self._tasks)} handler(s) still running"
             )
 
-    async def _shutdown(self, force: bool) -> None:
-        self._stopping = True
+    async def _shutdown(self) -> None:
+        lifecycle = self._lifecycle
+        assert lifecycle is not None
+        reply: object = STOPPED
+        while True:
+            try:
+                step = lifecycle.send(reply)
+            except StopIteration:
+                break
+            reply = await self._stop_step(step)
+        self._finish_stop()
+
+    async def _stop_step(self, step: LifecycleStep) -> object:
+        """A step of the lifecycle program after it served, in virtual time."""
         channel = self._channel
         assert channel is not None
-        for tag in self._tags:
-            channel.cancel(tag)
+        kind = type(step)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.shutdown_timeout
-        while self.busy() and not force and loop.time() < deadline:
+        if kind is Cancel:
+            self._stopping = True
+            for tag in self.consumer_tags():
+                channel.cancel(tag)
+            return None
+        if kind is Drain:
+            deadline = loop.time() + step.seconds  # type: ignore[union-attr]
+            while self.busy() and not self._force and loop.time() < deadline:
+                if self._tasks:
+                    await asyncio.wait(list(self._tasks), timeout=deadline - loop.time())
+                else:
+                    await asyncio.sleep(0)  # deliveries about to start: they are handed back
+            self._gen += 1  # what settles from now on cannot be acked
+            return Drained(len(self._tasks), self._force)
+        if kind is Close:
+            channel.close()  # the broker takes back what is unacked
+            if self._force:
+                for task in self._tasks:
+                    task.cancel()
+            return None
+        # WaitRunning: running handlers record their results (never acked)
+        deadline = loop.time() + step.seconds  # type: ignore[union-attr]
+        while self.busy() and loop.time() < deadline:
             if self._tasks:
                 await asyncio.wait(list(self._tasks), timeout=deadline - loop.time())
             else:
-                await asyncio.sleep(0)  # deliveries about to start: they are handed back
-        if self.busy():
-            self.log_shutdown_timeout(len(self._tasks), force)
-        self._gen += 1  # what settles from now on cannot be acked
-        channel.close()  # the broker takes back what is unacked
-        if force:
-            for task in self._tasks:
-                task.cancel()
-        while self.busy():  # running handlers record their results (never acked)
-            if self._tasks:
-                await asyncio.wait(list(self._tasks))
-            else:
                 await asyncio.sleep(0)
-        self._finish_stop()
+        return len(self._tasks)
 
     def _finish_stop(self) -> None:
         self._stopped = True
@@ -323,7 +332,7 @@ class MemoryWorker(WorkerBase):
             self._unregister()
         if self._restore is not None:
             self._restore()
-        self.log_stopped()
+        self.run_ends()
 
     # -- deliveries ------------------------------------------------------------------------
 
@@ -355,7 +364,7 @@ class MemoryWorker(WorkerBase):
 
     async def _drive(self, consumer: Consumer, delivered: Delivered) -> None:
         """Drive one delivery's program to its end."""
-        self.stats.received += 1
+        self.report.arrived()
         message = delivered.message
         delivery = Delivery(
             message.message_id,
@@ -373,7 +382,7 @@ class MemoryWorker(WorkerBase):
                 step: Step = program.send(reply)
             except StopIteration as stop:
                 settled: Settled = stop.value
-                self.account(settled)
+                self.report.settled(settled)
                 self._record(live, settled, message.body)
                 return
             if isinstance(step, Run):
@@ -391,14 +400,16 @@ class MemoryWorker(WorkerBase):
         """Every step but Run and Pause, synchronously (the store is called inline)."""
         if isinstance(step, Finish):  # always executed: the handler did run
             assert self.guard is not None
-            return self.finish_now(self.guard, step)
+            return finish_with(
+                self.guard, self.leases, step.key, step.owner, step.succeeded, self.report
+            )
         if self._stale(live):
             return STALE
         if isinstance(step, Claim):
             if self._stopping:
                 return STOPPING
             assert self.guard is not None
-            result = self.claim_now(self.guard, step)
+            result = claim_with(self.guard, self.leases, step.key, step.owner, self.clock())
             if result is ClaimResult.CLAIMED:
                 self._renew_while_held()
             return result
@@ -431,9 +442,9 @@ class MemoryWorker(WorkerBase):
             live.ran = True
             live.context = prepared.ctx
             if consumer.is_async:
-                outcome = await call_async_handler(consumer, prepared, self.metrics)
+                outcome = await call_async_handler(consumer, prepared, self.report.timer)
             else:
-                outcome = call_handler(consumer, prepared, self.metrics)
+                outcome = call_handler(consumer, prepared, self.report.timer)
             if isinstance(outcome, BaseException):
                 live.error = outcome
             return outcome
@@ -445,7 +456,7 @@ class MemoryWorker(WorkerBase):
                 queue=settled.queue,
                 message_id=settled.message_id,
                 attempt=settled.attempt,
-                outcome=outcome_of(settled),
+                outcome=settled.outcome,
                 reason=_reason(settled.action),
                 action=settled.action,
                 ran=live.ran,
@@ -467,11 +478,24 @@ class MemoryWorker(WorkerBase):
             self._renewer.add_done_callback(self._failed)
 
     async def _renew(self) -> None:
+        """The housekeeping program, renewals only, until no lease is held."""
         guard = self.guard
         assert guard is not None
-        while len(self.leases):
-            await asyncio.sleep(self.leases.every_ms / 2000)
-            self.renew_due(guard.renew)
+        program = self.housekeeping(purges=False, until_idle=True)
+        reply: object = None
+        while True:
+            try:
+                step = program.send(reply)
+            except StopIteration:
+                return
+            if type(step) is Sleep:
+                await asyncio.sleep(step.seconds)
+                reply = False
+            elif type(step) is Renew:
+                try:
+                    reply = guard.renew(step.key, step.owner)
+                except Exception as exc:
+                    reply = exc
 
 
-__all__ = ["MEMORY_URL", "Handled", "MemoryWorker", "Outcome", "outcome_of"]
+__all__ = ["MEMORY_URL", "Handled", "MemoryWorker"]

@@ -121,8 +121,8 @@ def test_one_trace_and_the_timings_follow_each_message(
         assert 0 <= handle.attributes["rabbit_delay.lateness_ms"] < 5_000
     assert handles[("m-retry", 1)].attributes["rabbit_delay.tier"] == "1s"
     assert handles[("m-retry", 2)].attributes["rabbit_delay.tier"] == "cascade"
-    assert handles[("m-retry", 1)].attributes["rabbit_delay.outcome"] == "retry"
-    assert handles[("m-retry", 2)].attributes["rabbit_delay.outcome"] == "success"
+    assert handles[("m-retry", 1)].attributes["rabbit_delay.outcome"] == "retried"
+    assert handles[("m-retry", 2)].attributes["rabbit_delay.outcome"] == "acked"
     (retry,) = spans.named("retry ")
     assert retry.parent.span_id == handles[("m-retry", 1)].context.span_id
     assert retry.attributes["rabbit_delay.attempt"] == 2

@@ -196,7 +196,7 @@ def test_a_message_that_was_not_lost_is_still_handled_once(
     worker = run_worker(kind, app)
 
     calls.wait_finished(1, timeout=10)
-    wait_for(lambda: worker.stats.duplicates == 1, 10, "the original, skipped as a duplicate")
+    wait_for(lambda: worker.stats.duplicate == 1, 10, "the original, skipped as a duplicate")
     worker.stop()
 
     assert len(calls.finished) == 1

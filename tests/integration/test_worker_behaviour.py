@@ -219,7 +219,7 @@ def test_reconnects_after_the_server_closes_the_connection(
     wait_for(
         lambda: (
             bench.message_count(topology.names.business_queue(QUEUE)) == 0
-            and worker.stats.duplicates == 1
+            and worker.stats.duplicate == 1
         ),
         15,
         f"the redelivered 40 to be skipped as done ({worker.stats})",
@@ -308,7 +308,7 @@ def test_a_consumer_the_broker_timed_out_consumes_again(
         # 50 went back to the queue when its consumer went; its copy is deferred while the
         # first run goes on, then skipped as done. The first run's result is never acked.
         wait_for(
-            lambda: worker.stats.duplicates == 1 and message_count(url, business) == 0,
+            lambda: worker.stats.duplicate == 1 and message_count(url, business) == 0,
             30,
             f"the redelivered 50 to be skipped as done ({worker.stats})",
         )

@@ -286,7 +286,7 @@ def test_finish_records_confirmed_and_failed_exactly() -> None:
     send_all(ledger, limit=3)
     ledger.ack(2, multiple=True)
     with pytest.raises(UnconfirmedError) as raised:
-        publisher.finish(ledger, ConnectionLost("lost"))
+        publisher.result(ledger, ConnectionLost("lost"))
     assert raised.value.message_ids == (messages[2].message_id, messages[3].message_id)
     key = publisher.topology.names.queue_key("q")
     published = registry.get_sample_value(

@@ -12,7 +12,8 @@ from rabbit_delay import App, ConfigError, HandlerContext, Topology, topology_fr
 from rabbit_delay import _headers as h
 from rabbit_delay._consumer.app import Prepared, Transport
 from rabbit_delay._consumer.decide import Park, ParkReason
-from rabbit_delay._consumer.stats import WorkerMetrics, WorkerStats, log_action
+from rabbit_delay._consumer.delivery import outcome_of
+from rabbit_delay._observe.report import WorkerMetrics, WorkerStats, log_action
 from rabbit_delay.metrics import Metrics
 from rabbit_delay.stores import ClaimResult, MemoryStore
 
@@ -210,20 +211,20 @@ def test_stats_and_metrics_count_each_action() -> None:
     prepared = consumer.prepare("m-1", headers(4), False, b'{"order_id": 1}', None, NOW)
     assert isinstance(prepared, Prepared)
     actions = [
-        consumer.finish(prepared, None, NOW),
-        consumer.finish(prepared, ClaimResult.DONE, NOW),
-        consumer.finish(prepared, ClaimResult.IN_PROGRESS, NOW),
-        consumer.finish(prepared, RuntimeError("x"), NOW),  # attempt 4 of 4: parked
+        consumer.decide(prepared, None, NOW),
+        consumer.decide(prepared, ClaimResult.DONE, NOW),
+        consumer.decide(prepared, ClaimResult.IN_PROGRESS, NOW),
+        consumer.decide(prepared, RuntimeError("x"), NOW),  # attempt 4 of 4: parked
     ]
     for action in actions:
-        stats.record(action)
-        worker_metrics.handled("orders", action)
+        stats.count(outcome_of(action))
+        worker_metrics.handled("orders", outcome_of(action))
         log_action("orders", "m-1", 4, action)
-    assert (stats.acked, stats.duplicates, stats.deferred, stats.parked) == (1, 1, 1, 1)
+    assert (stats.acked, stats.duplicate, stats.deferred, stats.parked) == (1, 1, 1, 1)
 
     def sample(outcome: str) -> float | None:
         return metrics.registry.get_sample_value(
             "rabbit_delay_handled_total", {"queue": "orders", "outcome": outcome}
         )
 
-    assert [sample(o) for o in ("success", "duplicate", "in_progress", "park")] == [1, 1, 1, 1]
+    assert [sample(o) for o in ("acked", "duplicate", "deferred", "parked")] == [1, 1, 1, 1]

@@ -36,8 +36,9 @@ from rabbit_delay._consumer.delivery import (
     WriteReject,
     delivery_program,
 )
+from rabbit_delay._consumer.handlers import call_handler
 from rabbit_delay._consumer.leases import LeaseBook, defer_delay_ms, renew_every_ms
-from rabbit_delay._consumer.worker_base import call_handler
+from rabbit_delay._consumer.outcome import Outcome
 from rabbit_delay.stores import ClaimResult, MemoryStore
 
 NOW = 1_800_000_000_000
@@ -130,8 +131,7 @@ def test_a_handled_delivery_claims_runs_records_done_then_acks() -> None:
     assert finish.succeeded
     assert finish.key == claim.key
     assert isinstance(settled.action, Ack)
-    assert not settled.stale
-    assert not settled.requeued
+    assert settled.outcome is Outcome.ACKED
 
 
 def test_without_a_guard_nothing_is_claimed() -> None:
@@ -157,7 +157,7 @@ def test_a_retry_that_cannot_be_published_is_dead_lettered_not_acked() -> None:
     assert kinds(steps)[-1] == "WriteReject"
     assert steps[-1] == WriteReject(requeue=False)
     assert settled.publish_error == "nope"
-    assert not settled.requeued
+    assert settled.outcome is Outcome.PARKED  # dead-lettered into the parking lot
 
 
 def test_a_defer_that_cannot_be_published_is_handed_back() -> None:
@@ -165,7 +165,7 @@ def test_a_defer_that_cannot_be_published_is_handed_back() -> None:
         make_app(), delivery(), answer(claim=ClaimResult.IN_PROGRESS, publish=PublishError("x"))
     )
     assert kinds(steps) == ["Claim", "Publish", "WriteNack"]
-    assert settled.requeued
+    assert settled.outcome is Outcome.REQUEUED
     assert isinstance(settled.action, Republish)
     assert settled.action.reason is RepublishReason.DEFER
 
@@ -292,7 +292,7 @@ def test_a_delivery_not_started_before_the_stop_is_handed_back() -> None:
     )
     assert kinds(steps) == ["Claim", "WriteNack"]
     assert settled.action is None
-    assert settled.requeued
+    assert settled.outcome is Outcome.HANDED_BACK
 
 
 def test_a_claimed_delivery_not_started_before_the_stop_releases_its_key() -> None:
@@ -300,7 +300,7 @@ def test_a_claimed_delivery_not_started_before_the_stop_releases_its_key() -> No
     assert kinds(steps) == ["Claim", "Run", "Finish", "WriteNack"]
     assert isinstance(steps[2], Finish)
     assert not steps[2].succeeded
-    assert settled.requeued
+    assert settled.outcome is Outcome.HANDED_BACK
 
 
 def test_a_stale_delivery_is_neither_run_nor_acked_but_its_claim_is_released() -> None:
@@ -340,7 +340,7 @@ def test_a_store_failure_pauses_then_keeps_the_message(
     assert steps[1].seconds > 0
     if broker is RABBITMQ_4_3:
         assert isinstance(settled.action, Requeue)
-        assert settled.requeued
+        assert settled.outcome is Outcome.REQUEUED
 
 
 def test_an_undecodable_body_is_decoded_where_the_handler_runs_then_parked() -> None:
@@ -374,8 +374,9 @@ def test_malformed_headers_are_parked_without_a_claim() -> None:
 def test_leases_are_renewed_every_third_and_a_lost_one_is_reported_once() -> None:
     book = LeaseBook(30_000)
     assert book.every_ms == renew_every_ms(30_000) == 10_000
-    book.hold("k1", "o1", 0)
-    book.hold("k2", "o2", 5_000)
+    book.claimed("k1", "o1", ClaimResult.CLAIMED, 0)
+    book.claimed("k2", "o2", ClaimResult.CLAIMED, 5_000)
+    book.claimed("k3", "o3", ClaimResult.DONE, 5_000)  # not claimed: not held
     assert book.due(9_999) == []
     assert book.due(10_000) == [("k1", "o1")]
     assert book.renewed("o1", True, 10_000) is False
@@ -392,15 +393,15 @@ def test_leases_are_renewed_every_third_and_a_lost_one_is_reported_once() -> Non
 # -- counting once ----------------------------------------------------------------------------
 
 
-def test_a_requeue_is_counted_once() -> None:
+def test_each_delivery_is_counted_once_by_its_outcome() -> None:
     from rabbit_delay import Worker
 
     worker = Worker(make_app(), "amqp://guest:guest@127.0.0.1:1/", install_signal_handlers=False)
-    worker.account(Settled("orders", "m-1", 1, Requeue("store down"), requeued=True))
-    worker.account(Settled("orders", "m-2", 1, None, requeued=True))  # not started at stop
-    worker.account(Settled("orders", "m-3", 1, Ack(), stale=True))
-    assert worker.stats.requeued == 2
-    assert worker.stats.stale == 1
+    report = worker.report
+    report.settled(Settled("orders", "m-1", 1, Outcome.REQUEUED, Requeue("store down")))
+    report.settled(Settled("orders", "m-2", 1, Outcome.HANDED_BACK, None))  # not started
+    report.settled(Settled("orders", "m-3", 1, Outcome.STALE, Ack()))
+    assert (worker.stats.requeued, worker.stats.handed_back, worker.stats.stale) == (1, 1, 1)
     assert worker.stats.acked == 0
 
 

@@ -157,7 +157,7 @@ def worker_text(observations: dict[tuple[str, str], list[float]]) -> str:
     for (queue, tier), values in observations.items():
         for late in values:
             metrics.lateness(queue, 0, int(late * 1000), tier=tier)
-    metrics.handled("push", "success")  # other families are ignored
+    metrics.handled_total.labels(queue="push", outcome="acked").inc()  # other families: ignored
     return generate_latest(registry).decode()
 
 

@@ -15,8 +15,10 @@ from rabbit_delay import App, IncompatibleBroker, Topology, TopologyError, topol
 from rabbit_delay._broker import UNKNOWN, BrokerInfo, is_consumer_timeout
 from rabbit_delay._consumer.app import Transport
 from rabbit_delay._consumer.decide import BrokerRetry
-from rabbit_delay._consumer.stats import WorkerStats
-from rabbit_delay._consumer.worker_base import WorkerBase
+from rabbit_delay._consumer.delivery import outcome_of
+from rabbit_delay._consumer.outcome import Outcome
+from rabbit_delay._consumer.worker import WorkerCore
+from rabbit_delay._observe.report import WorkerReport, WorkerStats
 from rabbit_delay._plan.plan import broker_requirements, declare_program, desired, plan_program
 from rabbit_delay._topology.model import RetryBackend
 from rabbit_delay.stores import MemoryStore
@@ -189,7 +191,7 @@ def test_declare_and_plan_refuse_before_any_operation(program: Any) -> None:
         next(started)  # not one operation asked of the broker
 
 
-class _Worker(WorkerBase):
+class _Worker(WorkerCore):
     """The settings both workers share, without a transport."""
 
     transport = Transport.SYNC
@@ -199,7 +201,7 @@ class _Worker(WorkerBase):
 def test_workers_share_one_start_check() -> None:
     app = App(shop(NATIVE), store=MemoryStore())
     app.add_consumer("mail", lambda message: None)
-    worker = _Worker(app, "amqp://guest:guest@127.0.0.1:5672/%2F")
+    worker = _Worker(app, "amqp://guest:guest@127.0.0.1:5672/%2F", report=WorkerReport)
     with pytest.raises(IncompatibleBroker, match=r"4\.0\.5"):
         worker.check_broker(BROKER_4_0)
     worker.check_broker(BROKER_4_3)
@@ -209,8 +211,10 @@ def test_workers_share_one_start_check() -> None:
 
 
 def test_a_broker_retry_counts_as_a_retry() -> None:
+    action = BrokerRetry(attempt=2, delay_ms=200, error="ValueError: x")
+    assert outcome_of(action) is Outcome.RETRIED
     stats = WorkerStats()
-    stats.record(BrokerRetry(attempt=2, delay_ms=200, error="ValueError: x"))
+    stats.count(outcome_of(action))
     assert (stats.retried, stats.requeued) == (1, 0)
 
 

@@ -19,8 +19,10 @@ from rabbit_delay import _headers as h
 from rabbit_delay._broker import UNKNOWN
 from rabbit_delay._consumer.app import Transport
 from rabbit_delay._consumer.delivery import Claim, Delivery, Finish, Publish, Run, Settled, WriteAck
-from rabbit_delay._consumer.worker_base import WorkerBase, call_handler
+from rabbit_delay._consumer.handlers import call_handler
+from rabbit_delay._consumer.worker import WorkerCore
 from rabbit_delay._observe import tracing
+from rabbit_delay._observe.report import WorkerReport
 from rabbit_delay._ops.replay.rules import replay_headers
 from rabbit_delay._publishing.core import PublisherCore
 from rabbit_delay.stores import ClaimResult, MemoryStore
@@ -55,7 +57,7 @@ def confirm_all(core: PublisherCore[Any, Any], outs: list[Any]) -> tuple[Any, li
         ledger.take()
         ledger.sent(index, index + 1)
         ledger.ack(index + 1)
-    return ledger, core.finish(ledger)
+    return ledger, core.result(ledger)
 
 
 # -- headers, with or without OpenTelemetry -------------------------------------------------
@@ -160,7 +162,7 @@ def test_a_failed_publish_ends_its_span_with_the_error(spans: Spans) -> None:
     ledger.sent(0, 1)
     ledger.ack(1, nack=True)
     with pytest.raises(NackError):
-        core.finish(ledger)
+        core.result(ledger)
     publish = spans.one("publish ")
     assert publish.status.status_code.name == "ERROR"
     assert "nacked" in publish.status.description
@@ -184,18 +186,25 @@ def test_a_carried_traceparent_wins_and_forwarded_copies_make_no_span(spans: Spa
 # -- delivery spans -------------------------------------------------------------------------
 
 
-class Base(WorkerBase):
+class Base(WorkerCore):
     transport = Transport.SYNC
     default_concurrency = 1
 
 
-def worker_for(handler: Any) -> tuple[WorkerBase, App]:
+def worker_for(handler: Any) -> tuple[WorkerCore, App]:
     app = App(make_topology(), store=MemoryStore())
     app.add_consumer("orders", handler)
-    return Base(app, "amqp://guest:guest@127.0.0.1:1/%2F", install_signal_handlers=False), app
+    worker = Base(
+        app,
+        "amqp://guest:guest@127.0.0.1:1/%2F",
+        report=WorkerReport,
+        tracer=tracing.active,
+        install_signal_handlers=False,
+    )
+    return worker, app
 
 
-def deliver(worker: WorkerBase, headers: dict[str, Any]) -> tuple[list[object], Settled]:
+def deliver(worker: WorkerCore, headers: dict[str, Any]) -> tuple[list[object], Settled]:
     """Drive one delivery's (traced) program as a worker would, running the handler."""
     base = {h.H_ATTEMPT: 1, h.H_TIER: "1s", h.H_DUE_AT: NOW - 40, h.H_TARGET: "shop.v1.q.orders"}
     delivery = Delivery("m-1", {**base, **headers}, False, b"{}", "application/json", NOW)
@@ -248,7 +257,7 @@ def test_the_handle_span_continues_the_trace_and_is_current_in_the_handler(
         "rabbit_delay.attempt": 1,
         "rabbit_delay.redelivered": False,
         "rabbit_delay.lateness_ms": 40,
-        "rabbit_delay.outcome": "success",
+        "rabbit_delay.outcome": "acked",
     }
     assert handle.status.is_unset
 
@@ -263,7 +272,7 @@ def test_a_failed_attempt_has_a_retry_span_and_its_copy_keeps_the_trace(spans: S
     assert publish.outgoing.headers[h.H_TRACEPARENT] == TRACEPARENT  # unchanged
     handle, retry = spans.one("handle "), spans.one("retry ")
     assert handle.status.status_code.name == "ERROR"
-    assert handle.attributes["rabbit_delay.outcome"] == "retry"
+    assert handle.attributes["rabbit_delay.outcome"] == "retried"
     assert retry.parent.span_id == handle.context.span_id
     assert dict(retry.attributes) == {
         "messaging.system": "rabbitmq",
@@ -287,7 +296,7 @@ def test_a_parked_message_has_a_park_span(spans: Spans) -> None:
     deliver(worker, {})  # no traceparent: the handle span starts a trace
     handle, park = spans.one("handle "), spans.one("park ")
     assert handle.parent is None
-    assert handle.attributes["rabbit_delay.outcome"] == "park"
+    assert handle.attributes["rabbit_delay.outcome"] == "parked"
     assert handle.status.description == "parked: rejected"
     assert park.parent.span_id == handle.context.span_id
     assert park.attributes["rabbit_delay.park_reason"] == "rejected"
@@ -307,7 +316,7 @@ def test_a_deferred_copy_is_no_retry(spans: Spans) -> None:
     with pytest.raises(StopIteration):
         program.send(None)
     assert spans.named("retry ") == []
-    assert spans.one("handle ").attributes["rabbit_delay.outcome"] == "in_progress"
+    assert spans.one("handle ").attributes["rabbit_delay.outcome"] == "deferred"
 
 
 def test_an_abandoned_delivery_still_ends_its_span(spans: Spans) -> None:

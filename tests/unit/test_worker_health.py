@@ -18,9 +18,9 @@ import pytest
 from rabbit_delay import App, Worker, topology_from_dict
 from rabbit_delay._consumer.decide import Ack
 from rabbit_delay._consumer.health import LIVENESS_STALE_S, Health, Phase
-from rabbit_delay._consumer.stats import log_action
 from rabbit_delay._io.endpoints import serve
 from rabbit_delay._observe.logs import JsonFormatter, TextFormatter, delivery_fields
+from rabbit_delay._observe.report import log_action
 from rabbit_delay.metrics import Metrics
 
 SECRET = "s3cret-pw"
