@@ -45,6 +45,7 @@ from rabbit_delay import _headers as h
 from rabbit_delay._broker import UNKNOWN, BrokerInfo
 from rabbit_delay._consumer.control import Reject, Retry
 from rabbit_delay._consumer.leases import defer_delay_ms
+from rabbit_delay._consumer.outcome import Outcome
 from rabbit_delay._envelope import (
     BINARY,
     Envelope,
@@ -74,11 +75,6 @@ class ParkReason(StrEnum):
     # Its deliveries were lost delivery_limit times while the handler may have run (the
     # worker died or lost its connection): a message that crashes every worker.
     CRASHED = "crashed"
-
-
-class SkipReason(StrEnum):
-    DUPLICATE = "duplicate"  # a copy was already handled
-    CANCELLED = "cancelled"  # app.cancel(key) left a tombstone
 
 
 class RepublishReason(StrEnum):
@@ -139,9 +135,10 @@ class Ack:
 
 @dataclass(frozen=True, slots=True)
 class Skip:
-    """Ack without running the handler."""
+    """Ack without running the handler: `reason` is the delivery's outcome, DUPLICATE (a
+    copy was already handled) or CANCELLED (app.cancel(key) left a tombstone)."""
 
-    reason: SkipReason
+    reason: Outcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,8 +188,8 @@ class Requeue:
 Action = Ack | Skip | Republish | Park | BrokerRetry | Requeue
 
 ACK = Ack()
-SKIP_DUPLICATE = Skip(SkipReason.DUPLICATE)
-SKIP_CANCELLED = Skip(SkipReason.CANCELLED)
+SKIP_DUPLICATE = Skip(Outcome.DUPLICATE)
+SKIP_CANCELLED = Skip(Outcome.CANCELLED)
 
 
 # -- per-queue policy -------------------------------------------------------------------

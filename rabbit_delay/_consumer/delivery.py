@@ -56,7 +56,6 @@ from rabbit_delay._consumer.decide import (
     Requeue,
     Result,
     Skip,
-    SkipReason,
     Unavailable,
     Undecodable,
 )
@@ -181,8 +180,6 @@ Program = Generator[Step, object, Settled]
 # as the action says; a failed publish, a nack or a lost channel decide otherwise.
 _OUTCOME_OF_ACTION: dict[object, Outcome] = {
     Ack: Outcome.ACKED,
-    SkipReason.DUPLICATE: Outcome.DUPLICATE,
-    SkipReason.CANCELLED: Outcome.CANCELLED,
     RepublishReason.RETRY: Outcome.RETRIED,
     RepublishReason.DEFER: Outcome.DEFERRED,
     RepublishReason.UNAVAILABLE: Outcome.DEFERRED,
@@ -194,7 +191,9 @@ _OUTCOME_OF_ACTION: dict[object, Outcome] = {
 
 def outcome_of(action: Action) -> Outcome:
     """The outcome of `action` carried out as decided (see `_OUTCOME_OF_ACTION`)."""
-    key = action.reason if isinstance(action, Skip | Republish) else type(action)
+    if isinstance(action, Skip):
+        return action.reason
+    key = action.reason if isinstance(action, Republish) else type(action)
     return _OUTCOME_OF_ACTION[key]
 
 

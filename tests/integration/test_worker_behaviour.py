@@ -32,14 +32,15 @@ from worker_behaviour import (
     WorkerBehaviour,
     handler,
     publish,
+    retrying,
 )
 
-from rabbit_delay import App, ConfigError, HandlerContext, Topology, topology_from_dict
+from rabbit_delay import App, ConfigError, HandlerContext, Retry, Topology, topology_from_dict
 from rabbit_delay._broker import BrokerInfo
 from rabbit_delay._envelope import now_ms
 from rabbit_delay._urls import ManagementEndpoint
 from rabbit_delay.stores import MemoryStore
-from rabbit_delay.sync import Publisher, connect, declare, plan
+from rabbit_delay.sync import Publisher, connect, connected, declare, plan
 
 from ._scratch_node import ScratchNode, scratch_kind, server_info, started_node
 from .workers.harness import (
@@ -226,6 +227,38 @@ def test_reconnects_after_the_server_closes_the_connection(
     )
     worker.stop()
     assert [c.message.order_id for c in calls.started].count(40) == 1  # one effect
+
+
+def test_a_copy_that_cannot_be_sent_does_not_stop_the_next_one(bench: RealBench) -> None:
+    """Both workers publish retry and park copies the same way: on their own connection,
+    through a publisher whose channel, once lost (here: the broker closes it, 404, for a
+    copy to a tier exchange that was deleted), is opened again for the next copy. The copy
+    that could not be sent is dead-lettered to the parking lot, never lost or acked."""
+    topology = bench.declared(**retrying(tiers=["1s"], max_attempts=3))
+    names = topology.names
+    with connected(bench.url) as conn:  # the 3s tier's exchange is gone
+        channel = conn.channel()
+        channel.exchange_delete(names.tier_exchange("3s"))
+        channel.close()
+    app = App(topology, store=MemoryStore())
+    calls = bench.calls()
+
+    def steer(message: Any, ctx: HandlerContext) -> None:
+        if ctx.attempt == 1:
+            raise Retry("later", tier="3s" if message.order_id == 1 else None)
+
+    app.add_consumer(QUEUE, bench.handler(calls, then=steer), model=CancelOrder)
+    worker = bench.run_worker(app)
+    publish(bench, topology, {"order_id": 1})
+    parked = bench.get_all(names.parking_queue(QUEUE), 1)
+    assert parked[0].headers.get("x-death"), "dead-lettered by the broker (rejected)"
+    publish(bench, topology, {"order_id": 2})
+    done = [c for c in calls.wait_finished(2, timeout=20) if c.message.order_id == 2]
+    assert [c.ctx.attempt for c in done] == [2]  # its retry copy went out: a new channel
+    bench.wait_for(lambda: worker.stats.acked == 1, 10, "order 2 acked on attempt 2")
+    worker.stop()
+    assert (worker.stats.publish_failures, worker.stats.parked) == (1, 1), worker.stats
+    assert worker.stats.retried == 1
 
 
 def test_the_sync_worker_refuses_an_async_handler(make_topology: Callable[..., Topology]) -> None:

@@ -22,12 +22,12 @@ from rabbit_delay._consumer.decide import (
     RepublishReason,
     Requeue,
     Skip,
-    SkipReason,
     Unavailable,
     Undecodable,
     decide,
     error_type_of,
 )
+from rabbit_delay._consumer.outcome import Outcome
 from rabbit_delay._envelope import Envelope
 from rabbit_delay.stores import ClaimResult
 
@@ -89,9 +89,9 @@ def test_success_acks() -> None:
 
 @pytest.mark.parametrize(
     ("claim", "reason"),
-    [(ClaimResult.DONE, SkipReason.DUPLICATE), (ClaimResult.CANCELLED, SkipReason.CANCELLED)],
+    [(ClaimResult.DONE, Outcome.DUPLICATE), (ClaimResult.CANCELLED, Outcome.CANCELLED)],
 )
-def test_done_or_cancelled_claims_skip(claim: ClaimResult, reason: SkipReason) -> None:
+def test_done_or_cancelled_claims_skip(claim: ClaimResult, reason: Outcome) -> None:
     assert run(claim) == Skip(reason)
 
 
