@@ -37,7 +37,8 @@ from rabbit_delay._errors import MissingObjectError
 from rabbit_delay._idempotency.guard import ClaimResult, Guard
 from rabbit_delay._observe import tracing
 from rabbit_delay._observe.logs import delivery_fields
-from rabbit_delay._plan.plan import check_broker, desired
+from rabbit_delay._plan.desired import desired
+from rabbit_delay._plan.refusals import check_broker
 from rabbit_delay._urls import redact
 
 if TYPE_CHECKING:

@@ -17,7 +17,9 @@ from rabbit_delay._consumer.app import Transport
 from rabbit_delay._consumer.decide import BrokerRetry
 from rabbit_delay._consumer.stats import WorkerStats
 from rabbit_delay._consumer.worker_base import WorkerBase
-from rabbit_delay._plan.plan import broker_requirements, declare_program, desired, plan_program
+from rabbit_delay._plan.desired import desired
+from rabbit_delay._plan.program import declare_program, plan_program
+from rabbit_delay._plan.refusals import broker_requirements
 from rabbit_delay._topology.model import RetryBackend
 from rabbit_delay.stores import MemoryStore
 
