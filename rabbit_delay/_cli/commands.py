@@ -30,7 +30,7 @@ from rabbit_delay._durations import format_ms, iso_ms, parse_ms
 from rabbit_delay._errors import DeclarationConflict, DurationError
 from rabbit_delay._headers import H_DELAY_MS, H_DUE_AT, H_TIER
 from rabbit_delay._io.management import access_for, observe
-from rabbit_delay._plan.plan import Action, Plan, PlanItem
+from rabbit_delay._plan.diff import Change, Plan, PlanItem
 from rabbit_delay._urls import redact
 
 MgmtOpt = Annotated[
@@ -49,18 +49,18 @@ NoMgmtOpt = Annotated[
 ]
 
 _STYLE = {
-    Action.CREATE: "yellow",
-    Action.IN_PLACE: "green",
-    Action.CONFLICT: "bold red",
-    Action.PRESENT: "green",
-    Action.ENSURE: "cyan",
-    Action.EXTRA: "magenta",
+    Change.CREATE: "yellow",
+    Change.IN_PLACE: "green",
+    Change.CONFLICT: "bold red",
+    Change.PRESENT: "green",
+    Change.ENSURE: "cyan",
+    Change.EXTRA: "magenta",
 }
 _DONE_WORDS = {
-    Action.CREATE: "created",
-    Action.IN_PLACE: "in place",
-    Action.ENSURE: "ensured",
-    Action.PRESENT: "in place",
+    Change.CREATE: "created",
+    Change.IN_PLACE: "in place",
+    Change.ENSURE: "ensured",
+    Change.PRESENT: "in place",
 }
 
 
@@ -69,7 +69,7 @@ management_access = access_for
 
 
 def _items_json(
-    items: tuple[PlanItem, ...], words: dict[Action, str] | None = None
+    items: tuple[PlanItem, ...], words: dict[Change, str] | None = None
 ) -> list[dict[str, Any]]:
     return [
         {
@@ -87,7 +87,7 @@ def _items_json(
 
 
 def _table(
-    title: str, items: tuple[PlanItem, ...], words: dict[Action, str] | None = None
+    title: str, items: tuple[PlanItem, ...], words: dict[Change, str] | None = None
 ) -> Table:
     table = Table(title=title, title_justify="left")
     table.add_column("kind")

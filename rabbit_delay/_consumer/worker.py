@@ -30,7 +30,8 @@ from rabbit_delay._consumer.housekeeping import HousekeepingStep, housekeeping_p
 from rabbit_delay._consumer.leases import LeaseBook
 from rabbit_delay._consumer.lifecycle import Lifecycle, lifecycle_program
 from rabbit_delay._consumer.settings import DEFAULT_SHUTDOWN_TIMEOUT_S, WorkerSettings
-from rabbit_delay._plan.plan import check_broker, desired
+from rabbit_delay._plan.desired import desired
+from rabbit_delay._plan.refusals import check_broker
 from rabbit_delay._urls import redact
 
 if TYPE_CHECKING:

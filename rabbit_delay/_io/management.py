@@ -38,7 +38,7 @@ from urllib.parse import quote
 
 from rabbit_delay._broker import BrokerInfo
 from rabbit_delay._errors import AccessRefused, ManagementUnavailable, broker_refusal
-from rabbit_delay._plan.plan import ExistingObject, Observed
+from rabbit_delay._plan.diff import ExistingObject, Observed
 from rabbit_delay._tls import TLSOptions, describe_tls_error
 from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import ManagementEndpoint, management_endpoints, redact

@@ -32,10 +32,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from rabbit_delay._plan.plan import PLUGIN_EXCHANGE_TYPE, Desired, Kind, desired
+from rabbit_delay._plan.desired import PLUGIN_EXCHANGE_TYPE, Desired, Kind, desired
 from rabbit_delay._topology.model import Topology
 
-# The server-named exclusive queue of the declarer's routing probe (plan.RoutesEveryKey),
+# The server-named exclusive queue of the declarer's routing probe (program.RoutesEveryKey),
 # made only for a [plugin] topology whose arguments cannot be read through the
 # management API. Exclusive: no other connection can touch one of these.
 SERVER_NAMED_QUEUES = r"amq\.gen-.*"

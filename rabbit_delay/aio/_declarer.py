@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import Generator
 from typing import TypeVar
 
@@ -14,30 +13,9 @@ from aio_pika.abc import AbstractChannel as AbstractAioChannel
 from aio_pika.abc import AbstractConnection
 from aiormq.abc import AbstractChannel
 
-from rabbit_delay._errors import MissingPluginError
-from rabbit_delay._plan.plan import (
-    NOT_ANSWERED,
-    PLUGIN_HINT,
-    ROUTING_PROBE_TIMEOUT_S,
-    TYPE_PROBE_EXCHANGE,
-    UNKNOWN_EXCHANGE_TYPE,
-    Declare,
-    DeclareReport,
-    ExchangeSpec,
-    Exists,
-    Kind,
-    Observed,
-    Operation,
-    Plan,
-    RoutesEveryKey,
-    SupportsType,
-    declare_program,
-    describe,
-    desired,
-    permission,
-    plan_program,
-    refusal_answer,
-)
+from rabbit_delay._plan import program
+from rabbit_delay._plan.desired import ExchangeSpec, Kind, desired
+from rabbit_delay._plan.diff import Observed, Plan
 from rabbit_delay._topology.model import Topology
 from rabbit_delay.aio._connection import broker_info, plain_channel
 from rabbit_delay.aio._errors import (
@@ -76,99 +54,90 @@ class _Executor:
             with contextlib.suppress(*CLIENT_ERRORS, RuntimeError):
                 await owner.close()
 
-    async def __call__(self, op: Operation) -> object:
+    async def __call__(self, op: program.Operation) -> object:
         try:
             return await self._run(op)
         except aiormq.exceptions.ConnectionClosed as exc:
             _code, text = reply_of(exc, CONNECTION_CODES)
-            if UNKNOWN_EXCHANGE_TYPE.search(text):  # 3.x: 503, whole connection
-                raise MissingPluginError(f"{text}: {PLUGIN_HINT}") from None
-            raise translate(exc, doing=describe(op), permission=permission(op)) from None
+            raise program.failure(op, exc, translate, text) from None
         except aiormq.exceptions.ChannelClosed as exc:
             self._ch = None
-            code, text = reply_of(exc, CHANNEL_CODES)
-            if UNKNOWN_EXCHANGE_TYPE.search(text):  # 4.x: 406, channel only
-                raise MissingPluginError(f"{text}: {PLUGIN_HINT}") from None
-            answer = refusal_answer(op, code, text)
-            if answer is not NOT_ANSWERED:
-                return answer
-            raise translate(exc, doing=describe(op), permission=permission(op)) from None
+            return program.refused(op, exc, translate, *reply_of(exc, CHANNEL_CODES))
         except CLIENT_ERRORS as exc:
-            raise translate(exc, doing=describe(op), permission=permission(op)) from None
+            raise program.failure(op, exc, translate) from None
         except RuntimeError as exc:
             if not is_closed_error(exc):
                 raise
-            raise translate(exc, doing=describe(op), permission=permission(op)) from None
+            raise program.failure(op, exc, translate) from None
 
-    async def _routes_every_key(self, op: RoutesEveryKey) -> bool:
-        """See plan.RoutesEveryKey: a temporary exclusive queue, deleted with its channel."""
+    async def _routes_every_key(self, op: program.RoutesEveryKey) -> bool:
+        """See program.RoutesEveryKey: a temporary exclusive queue, deleted with its channel."""
+        bound, sent = op.probe_keys()
         owner = await plain_channel(self.connection, confirms=True)
         try:
             ch = await owner.get_underlay_channel()
             declared = await ch.queue_declare("", exclusive=True, auto_delete=True)
             queue = declared.queue
             assert queue is not None
-            probe = f"rabbit-delay.routing-probe.{uuid.uuid4().hex}"
-            await ch.queue_bind(queue, op.exchange, routing_key=f"{probe}.bound")
+            await ch.queue_bind(queue, op.exchange, routing_key=bound)
             if op.due is not None:  # the probe's way back through the due exchange
-                await ch.queue_bind(queue, op.due, routing_key=f"{probe}.sent")
-            await ch.basic_publish(b"", exchange=op.exchange, routing_key=f"{probe}.sent")
-            deadline = time.monotonic() + ROUTING_PROBE_TIMEOUT_S
+                await ch.queue_bind(queue, op.due, routing_key=sent)
+            await ch.basic_publish(b"", exchange=op.exchange, routing_key=sent)
+            deadline = time.monotonic() + program.ROUTING_PROBE_TIMEOUT_S
             while time.monotonic() < deadline:
                 got = await ch.basic_get(queue, no_ack=True)
                 if got.delivery_tag is not None:
                     return True
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(program.ROUTING_PROBE_POLL_S)
             return False
         finally:
             if not owner.is_closed:
                 await owner.close()  # the exclusive queue goes with it
 
-    async def _run(self, op: Operation) -> object:
-        if isinstance(op, RoutesEveryKey):
+    async def _run(self, op: program.Operation) -> object:
+        if isinstance(op, program.RoutesEveryKey):
             return await self._routes_every_key(op)
         ch = await self.channel()
-        if isinstance(op, SupportsType):
+        if isinstance(op, program.SupportsType):
             await ch.exchange_declare(
-                TYPE_PROBE_EXCHANGE, exchange_type=op.exchange_type, durable=False
+                program.TYPE_PROBE_EXCHANGE, exchange_type=op.exchange_type, durable=False
             )
-            return True
-        if isinstance(op, Exists | Declare):
-            passive = isinstance(op, Exists)
-            spec = op.spec
+        elif isinstance(op, program.Exists | program.Declare):
+            spec, passive = op.spec, isinstance(op, program.Exists)
+            arguments = dict(spec.arguments)
             if isinstance(spec, ExchangeSpec):
                 await ch.exchange_declare(
                     spec.name,
                     exchange_type=spec.type,
                     passive=passive,
                     durable=spec.durable,
-                    arguments=dict(spec.arguments),  # type: ignore[arg-type]
+                    arguments=arguments,  # type: ignore[arg-type]
                 )
             else:
                 await ch.queue_declare(
                     spec.name,
                     passive=passive,
                     durable=spec.durable,
-                    arguments=dict(spec.arguments),  # type: ignore[arg-type]
+                    arguments=arguments,  # type: ignore[arg-type]
                 )
-            return True if passive else None
-        b = op.spec
-        if b.destination_type is Kind.QUEUE:
-            await ch.queue_bind(b.destination, b.source, routing_key=b.routing_key)
         else:
-            await ch.exchange_bind(b.destination, b.source, routing_key=b.routing_key)
-        return None
+            b = op.spec
+            if b.destination_type is Kind.QUEUE:
+                await ch.queue_bind(b.destination, b.source, routing_key=b.routing_key)
+            else:
+                await ch.exchange_bind(b.destination, b.source, routing_key=b.routing_key)
+        return program.accepted(op)
 
 
 async def run_program(
-    connection: AbstractConnection, program: Generator[Operation, object, T]
+    connection: AbstractConnection, steps: Generator[program.Operation, object, T]
 ) -> T:
-    """Drive a sans-I/O program (plan.declare_program, plan.plan_program) to its end."""
+    """Drive a sans-I/O program (program.declare_program, program.plan_program) to its end."""
     execute = _Executor(connection)
     try:
-        op = next(program)
+        op = next(steps)
         while True:
-            op = program.send(await execute(op))
+            op = steps.send(await execute(op))
     except StopIteration as stop:
         result: T = stop.value
         return result
@@ -178,13 +147,13 @@ async def run_program(
 
 async def declare(
     connection: AbstractConnection, topology: Topology, *, observed: Observed | None = None
-) -> DeclareReport:
+) -> program.DeclareReport:
     """Declare the topology. Raises DeclarationConflict or IncompatibleBroker (nothing
     changed), MissingPluginError, MissingObjectError, AccessRefused (the permission
     named), ConnectionLost (the connection went away mid-way: run it again, it is
     idempotent) or BrokerError."""
-    program = declare_program(desired(topology), observed, broker_info(connection))
-    return await run_program(connection, program)
+    steps = program.declare_program(desired(topology), observed, broker_info(connection))
+    return await run_program(connection, steps)
 
 
 async def plan(
@@ -192,5 +161,5 @@ async def plan(
 ) -> Plan:
     """What `declare` would do, changing nothing. Raises MissingPluginError,
     IncompatibleBroker, ConnectionLost or AccessRefused."""
-    program = plan_program(desired(topology), observed, broker_info(connection))
-    return await run_program(connection, program)
+    steps = program.plan_program(desired(topology), observed, broker_info(connection))
+    return await run_program(connection, steps)

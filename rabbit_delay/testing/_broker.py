@@ -49,27 +49,29 @@ from rabbit_delay._durations import DurationLike, format_ms, parse_ms
 from rabbit_delay._envelope import Outgoing
 from rabbit_delay._envelope import now_ms as wall_clock_ms
 from rabbit_delay._errors import ConfigError, MissingPluginError, RabbitDelayError, broker_refusal
-from rabbit_delay._plan.plan import (
+from rabbit_delay._plan.desired import (
     DELAYED_RETRY_TYPE,
     PLUGIN_EXCHANGE_TYPE,
-    PLUGIN_HINT,
-    Bind,
     BindingSpec,
+    ExchangeSpec,
+    Kind,
+    QueueSpec,
+    desired,
+)
+from rabbit_delay._plan.diff import Plan
+from rabbit_delay._plan.program import (
+    Bind,
     Declare,
     DeclareReport,
-    ExchangeSpec,
     Exists,
-    Kind,
     Operation,
-    Plan,
-    QueueSpec,
     RoutesEveryKey,
     SupportsType,
     declare_program,
     describe,
-    desired,
     plan_program,
 )
+from rabbit_delay._plan.refusals import PLUGIN_HINT
 from rabbit_delay._topology.model import Topology
 from rabbit_delay.testing._loop import VirtualLoop
 

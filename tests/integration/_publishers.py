@@ -29,7 +29,8 @@ import pika.exceptions
 from conftest import wait_for
 
 from rabbit_delay import Topology
-from rabbit_delay._plan.plan import DeclareReport, Observed, Plan
+from rabbit_delay._plan.diff import Observed, Plan
+from rabbit_delay._plan.program import DeclareReport
 from rabbit_delay._urls import ManagementEndpoint
 
 T = TypeVar("T")

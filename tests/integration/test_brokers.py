@@ -21,7 +21,8 @@ from rabbit_delay import Topology, aio
 from rabbit_delay._broker import BrokerInfo
 from rabbit_delay._cli.app import app, load_commands
 from rabbit_delay._io.management import checked
-from rabbit_delay._plan.plan import Operation, RoutesEveryKey, desired
+from rabbit_delay._plan.desired import desired
+from rabbit_delay._plan.program import Operation, RoutesEveryKey
 from rabbit_delay._urls import MANAGEMENT_URL_ENV, URL_ENV, ManagementEndpoint, management_endpoints
 from rabbit_delay.aio._declarer import run_program as aio_run_program
 from rabbit_delay.sync import connect

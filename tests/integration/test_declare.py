@@ -16,7 +16,8 @@ from rabbit_delay import DeclarationConflict, Topology
 from rabbit_delay._broker import BrokerInfo, normalise_queue_arguments
 from rabbit_delay._errors import ArgumentConflict
 from rabbit_delay._io.management import read_observed
-from rabbit_delay._plan.plan import Action, Kind
+from rabbit_delay._plan.desired import Kind
+from rabbit_delay._plan.diff import Change
 from rabbit_delay._urls import ManagementEndpoint
 
 from ._publishers import Transport, broker_state, delete_queue, open_transport, queue_info
@@ -158,9 +159,9 @@ def test_redeclare_is_a_no_op_and_everything_is_in_place(
     bindings = [i for i in report.items if i.kind is Kind.BINDING]
     assert len(objects) == 12
     assert len(bindings) == 8
-    assert {i.action for i in objects} == {Action.IN_PLACE}
+    assert {i.action for i in objects} == {Change.IN_PLACE}
     assert {i.action for i in bindings} == (
-        {Action.IN_PLACE} if use_management else {Action.ENSURE}
+        {Change.IN_PLACE} if use_management else {Change.ENSURE}
     )
     assert broker_state(management, prefix) == before
 
@@ -177,7 +178,7 @@ def test_plan_changes_nothing(
     prefix = topology.names.prefix + "."
     plan = transport.plan(topology, observed=observed_or_none(use_management, management, topology))
     assert not plan.in_sync
-    assert {i.action for i in plan.items if i.kind is not Kind.BINDING} == {Action.CREATE}
+    assert {i.action for i in plan.items if i.kind is not Kind.BINDING} == {Change.CREATE}
     assert len(plan.pending) == 12 + (8 if use_management else 0)
     assert broker_state(management, prefix).names == set()
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import MakeTopology, unique_namespace
 
 from rabbit_delay import Topology
-from rabbit_delay._plan.plan import desired
+from rabbit_delay._plan.desired import desired
 from rabbit_delay.sync import Publisher, declare
 
 from .test_ops import Ops, cli

@@ -25,7 +25,8 @@ from rabbit_delay._io.management import read_observed
 from rabbit_delay._ops.replay.execute import replay_parked
 from rabbit_delay._ops.status.execute import read_status
 from rabbit_delay._ops.status.rules import Role
-from rabbit_delay._plan.plan import Action, Kind
+from rabbit_delay._plan.desired import Kind
+from rabbit_delay._plan.diff import Change
 from rabbit_delay._topology.delays import shard_index
 from rabbit_delay._urls import ManagementEndpoint
 from rabbit_delay.stores import MemoryStore
@@ -116,7 +117,7 @@ def test_a_sharded_tier_spreads_by_id_and_delivers_every_message_on_time(
         transports["aio"].plan(topology),
     ):
         assert plan.in_sync, plan.pending
-        assert not [i for i in plan.items if i.action is Action.EXTRA]
+        assert not [i for i in plan.items if i.action is Change.EXTRA]
         buffers = {i.name for i in plan.items if i.kind is Kind.QUEUE and ".delay.1s" in i.name}
         assert buffers == set(shards)
     # Each shard is its own quorum buffer with the tier's TTL and due exchange, placed.
@@ -140,7 +141,7 @@ def test_a_lowered_shard_count_leaves_the_retired_buffers_as_extra(
     lowered = sharded_topology(make_topology, topology.namespace, tier_shards={"1s": 2})
     observed = read_observed(management, topology.names.prefix + ".") if use_management else None
     plan = transport.plan(lowered, observed=observed)
-    extra = {(i.kind, i.name) for i in plan.items if i.action is Action.EXTRA}
+    extra = {(i.kind, i.name) for i in plan.items if i.action is Change.EXTRA}
     retired = topology.tier_queues("1s")[2:]
     assert extra == {(kind, name) for name in retired for kind in (Kind.EXCHANGE, Kind.QUEUE)}
     assert plan.in_sync  # declare has nothing to do: it never deletes a buffer
@@ -174,7 +175,7 @@ def test_placement_added_to_an_existing_topology_is_never_a_conflict(
         report = transport.declare(after, observed=observed)
         queues = [i for i in report.items if i.kind is Kind.QUEUE]
         added = after.tier_queues("1s")[-1]
-        assert {i.action for i in queues if i.name != added} == {Action.IN_PLACE}
+        assert {i.action for i in queues if i.name != added} == {Change.IN_PLACE}
     existing = queue_info(management, before.tier_queues("1s")[0])["arguments"]
     assert "x-queue-leader-locator" not in existing  # never changed in place
     new = queue_info(management, added)["arguments"]

@@ -112,7 +112,7 @@ def counts(url: str, queues: list[str]) -> dict[str, int]:
 
 
 def every_queue(topology: Topology) -> list[str]:
-    from rabbit_delay._plan.plan import desired
+    from rabbit_delay._plan.desired import desired
 
     return [spec.name for spec in desired(topology).queues]
 

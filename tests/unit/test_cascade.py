@@ -21,7 +21,7 @@ from rabbit_delay import (
 )
 from rabbit_delay import _headers as h
 from rabbit_delay._envelope import outgoing
-from rabbit_delay._plan.plan import BindingSpec, Desired, ExchangeSpec, Kind, QueueSpec, desired
+from rabbit_delay._plan.desired import BindingSpec, Desired, ExchangeSpec, Kind, QueueSpec, desired
 from rabbit_delay._publishing.core import PublisherCore
 from rabbit_delay._topology import delays
 from rabbit_delay._topology.delays import (

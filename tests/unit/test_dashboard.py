@@ -29,7 +29,7 @@ from rabbit_delay._ops.dashboard.rules import (
     start_message,
 )
 from rabbit_delay._ops.status.rules import PluginStore, Role, Status, status_rows
-from rabbit_delay._plan.plan import desired
+from rabbit_delay._plan.desired import desired
 from rabbit_delay.metrics import Metrics
 
 SECRET = "s3cret-pw"

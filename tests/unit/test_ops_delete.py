@@ -15,7 +15,8 @@ from rabbit_delay._ops.delete.rules import (
     still_idle,
     targets,
 )
-from rabbit_delay._plan.plan import Desired, Kind, desired, retired_shards
+from rabbit_delay._plan.desired import Desired, Kind, desired
+from rabbit_delay._plan.diff import retired_shards
 
 
 def topology(version: int = 1, **extra: object) -> Topology:

@@ -29,7 +29,7 @@ from rabbit_delay._ops.status.rules import (
     status_rows,
     stuck_after_ms,
 )
-from rabbit_delay._plan.plan import desired
+from rabbit_delay._plan.desired import desired
 
 NOW = 1_800_000_000_000
 

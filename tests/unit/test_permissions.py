@@ -11,6 +11,7 @@ import pytest
 
 from rabbit_delay import AccessRefused, Topology, load_topology, topology_from_dict
 from rabbit_delay._errors import broker_refusal
+from rabbit_delay._plan.desired import Kind, desired
 from rabbit_delay._plan.permissions import (
     Permissions,
     Role,
@@ -20,7 +21,6 @@ from rabbit_delay._plan.permissions import (
     permissions,
     publish_targets,
 )
-from rabbit_delay._plan.plan import Kind, desired
 
 
 def _topology(namespace: str = "shop", version: int = 1, **extra: Any) -> Topology:

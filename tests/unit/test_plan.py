@@ -10,27 +10,18 @@ import pytest
 
 from rabbit_delay import DeclarationConflict, Topology, topology_from_dict
 from rabbit_delay._errors import ArgumentConflict
-from rabbit_delay._plan.plan import (
-    Action,
+from rabbit_delay._plan.desired import BindingSpec, Desired, ExchangeSpec, Kind, QueueSpec, desired
+from rabbit_delay._plan.diff import Change, ExistingObject, Observed, make_plan, plan_from_presence
+from rabbit_delay._plan.program import (
     Bind,
-    BindingSpec,
     Declare,
     DeclareReport,
-    Desired,
-    ExchangeSpec,
-    ExistingObject,
     Exists,
-    Kind,
-    Observed,
     Operation,
-    QueueSpec,
-    conflict_from_reply,
     declare_program,
-    desired,
-    make_plan,
-    plan_from_presence,
     plan_program,
 )
+from rabbit_delay._plan.refusals import conflict_from_reply
 
 # Every quorum queue is declared with a leader locator (`[scaling]`, default balanced).
 PLACEMENT = {"x-queue-leader-locator": "balanced"}
@@ -204,7 +195,7 @@ def observed_from(
 def test_plan_everything_missing() -> None:
     want = desired(shop())
     plan = make_plan(want, Observed({}, {}, frozenset()))
-    assert {i.action for i in plan.items} == {Action.CREATE}
+    assert {i.action for i in plan.items} == {Change.CREATE}
     assert len(plan.items) == len(want.exchanges) + len(want.queues) + len(want.bindings)
     assert not plan.in_sync
     assert plan.pending == plan.items
@@ -214,14 +205,14 @@ def test_plan_everything_missing() -> None:
 def test_plan_everything_in_place() -> None:
     want = desired(shop())
     plan = make_plan(want, observed_from(want))
-    assert {i.action for i in plan.items} == {Action.IN_PLACE}
+    assert {i.action for i in plan.items} == {Change.IN_PLACE}
     assert plan.in_sync
 
 
 def test_plan_bindings_unknown_without_binding_list() -> None:
     want = desired(shop())
     plan = make_plan(want, observed_from(want, bindings=False))
-    assert {i.action for i in plan.items if i.kind is Kind.BINDING} == {Action.ENSURE}
+    assert {i.action for i in plan.items if i.kind is Kind.BINDING} == {Change.ENSURE}
     assert plan.in_sync  # an ensure is not pending: binding is idempotent
 
 
@@ -241,18 +232,18 @@ def test_plan_create_in_place_and_conflict() -> None:
     )
     plan = make_plan(want, observed)
     by_name = {(i.kind, i.name): i for i in plan.items}
-    assert by_name[(Kind.QUEUE, "shop.v1.parking.push")].action is Action.CREATE
-    assert by_name[(Kind.QUEUE, "shop.v1.q.push")].action is Action.IN_PLACE
-    assert by_name[(Kind.EXCHANGE, "shop.v1.unroutable")].action is Action.IN_PLACE
+    assert by_name[(Kind.QUEUE, "shop.v1.parking.push")].action is Change.CREATE
+    assert by_name[(Kind.QUEUE, "shop.v1.q.push")].action is Change.IN_PLACE
+    assert by_name[(Kind.EXCHANGE, "shop.v1.unroutable")].action is Change.IN_PLACE
 
     ttl = by_name[(Kind.QUEUE, "shop.v1.delay.1s")]
-    assert ttl.action is Action.CONFLICT
+    assert ttl.action is Change.CONFLICT
     assert ttl.conflicts == (
         ArgumentConflict("queue", "shop.v1.delay.1s", "x-message-ttl", 5000, 1000),
     )
 
     classic = by_name[(Kind.QUEUE, "shop.v1.delay.3s")]
-    assert classic.action is Action.CONFLICT
+    assert classic.action is Change.CONFLICT
     assert set(classic.conflicts) == {
         ArgumentConflict(
             "queue", "shop.v1.delay.3s", "x-dead-letter-exchange", None, "shop.v1.due"
@@ -322,9 +313,9 @@ def test_plan_from_presence() -> None:
     present = {(spec.kind, spec.name): (spec.kind, spec.name) != missing for spec in want.objects}
     plan = plan_from_presence(want, present)
     actions = {(i.kind, i.name): i.action for i in plan.items}
-    assert actions[missing] is Action.CREATE
-    assert actions[(Kind.EXCHANGE, "shop.v1.delay.3s")] is Action.PRESENT
-    assert {a for (k, _), a in actions.items() if k is Kind.BINDING} == {Action.ENSURE}
+    assert actions[missing] is Change.CREATE
+    assert actions[(Kind.EXCHANGE, "shop.v1.delay.3s")] is Change.PRESENT
+    assert {a for (k, _), a in actions.items() if k is Kind.BINDING} == {Change.ENSURE}
     assert [(i.kind, i.name) for i in plan.pending] == [missing]
 
 
@@ -487,8 +478,8 @@ def test_program_twice_is_a_no_op() -> None:
     report = broker.run(declare_program(want))
     assert broker.created == []
     assert not report.changed
-    assert {i.action for i in report.items if i.kind is not Kind.BINDING} == {Action.IN_PLACE}
-    assert {i.action for i in report.items if i.kind is Kind.BINDING} == {Action.ENSURE}
+    assert {i.action for i in report.items if i.kind is not Kind.BINDING} == {Change.IN_PLACE}
+    assert {i.action for i in report.items if i.kind is Kind.BINDING} == {Change.ENSURE}
 
 
 def test_program_with_observed_needs_no_probe_and_skips_bindings_in_place() -> None:
@@ -497,7 +488,7 @@ def test_program_with_observed_needs_no_probe_and_skips_bindings_in_place() -> N
     report = broker.run(declare_program(want, observed_from(want)))
     assert broker.log == []
     assert not report.changed
-    assert {i.action for i in report.items} == {Action.IN_PLACE}
+    assert {i.action for i in report.items} == {Change.IN_PLACE}
 
 
 def test_program_with_observed_creates_only_what_is_missing() -> None:
@@ -635,7 +626,7 @@ def test_sharded_declare_is_idempotent() -> None:
     report = broker.run(declare_program(want))
     assert broker.created == []
     assert not report.changed
-    assert {i.action for i in report.items if i.kind is not Kind.BINDING} == {Action.IN_PLACE}
+    assert {i.action for i in report.items if i.kind is not Kind.BINDING} == {Change.IN_PLACE}
 
 
 def test_adding_shards_keeps_the_existing_buffer_and_creates_the_others() -> None:
@@ -655,7 +646,7 @@ def test_adding_shards_keeps_the_existing_buffer_and_creates_the_others() -> Non
 
 
 def extra_items(plan: Any) -> list[tuple[Kind, str]]:
-    return [(i.kind, i.name) for i in plan.items if i.action is Action.EXTRA]
+    return [(i.kind, i.name) for i in plan.items if i.action is Change.EXTRA]
 
 
 def test_lowered_shard_count_reports_the_retired_buffers_as_extra_management() -> None:
@@ -671,7 +662,7 @@ def test_lowered_shard_count_reports_the_retired_buffers_as_extra_management() -
         (Kind.QUEUE, "shop.v1.delay.3s.3"),
     ]
     assert plan.in_sync  # nothing for declare to do: it never deletes
-    note = next(i for i in plan.items if i.action is Action.EXTRA).notes[0]
+    note = next(i for i in plan.items if i.action is Change.EXTRA).notes[0]
     assert "tier '3s' now has 2 shard(s)" in note
     assert "delete it once empty" in note
     # the bindings of a retired shard are not the plan's business: no item for them
@@ -734,7 +725,7 @@ def test_placement_is_never_a_conflict_but_a_note() -> None:
     assert plan.in_sync
     assert plan.conflicts == ()
     buffer = next(i for i in plan.items if i.name == "shop.v1.delay.1s" and i.kind is Kind.QUEUE)
-    assert buffer.action is Action.IN_PLACE
+    assert buffer.action is Change.IN_PLACE
     assert buffer.notes == (
         "x-queue-leader-locator 'client-local' on the broker, 'balanced' in the topology; "
         "x-quorum-initial-group-size unset on the broker, 3 in the topology "
@@ -772,7 +763,7 @@ def test_redeclare_of_a_queue_placed_otherwise_is_in_place_without_management(
     report = broker.run(declare_program(desired(shop(scaling={"replicas": 3}))))
     assert broker.created == []
     queues = [i for i in report.items if i.kind is Kind.QUEUE]
-    assert {i.action for i in queues} == {Action.IN_PLACE}
+    assert {i.action for i in queues} == {Change.IN_PLACE}
     assert all(any("placement applies to new queues only" in n for n in i.notes) for i in queues)
 
 
@@ -797,7 +788,8 @@ def test_redeclare_still_finds_a_real_conflict_behind_a_placement_difference(
 
 
 def test_a_refused_probe_of_a_retired_shard_answers_absent_and_other_refusals_are_errors() -> None:
-    from rabbit_delay._plan.plan import NOT_ANSWERED, Declare, Exists, QueueSpec, refusal_answer
+    from rabbit_delay._plan.desired import QueueSpec
+    from rabbit_delay._plan.program import NOT_ANSWERED, Declare, Exists, refusal_answer
 
     spec = QueueSpec("ns.v1.delay.1s.1")
     assert refusal_answer(Exists(spec, optional=True), 403, "ACCESS_REFUSED") is False
@@ -807,3 +799,33 @@ def test_a_refused_probe_of_a_retired_shard_answers_absent_and_other_refusals_ar
         refusal_answer(Declare(spec), 406, "PRECONDITION_FAILED - x") == "PRECONDITION_FAILED - x"
     )
     assert refusal_answer(Declare(spec), 403, "ACCESS_REFUSED") is NOT_ANSWERED
+
+
+def test_what_a_driver_makes_of_a_refusal() -> None:
+    """`refused` / `failure`: what every declarer does with a channel or connection the
+    broker closed; the plugin's missing exchange type wins over the 406 it comes with."""
+    from rabbit_delay._errors import MissingPluginError
+    from rabbit_delay._plan.desired import ExchangeSpec, QueueSpec
+    from rabbit_delay._plan.program import Declare, Exists, SupportsType, failure, refused
+
+    class Translated(Exception):
+        pass
+
+    def translate(exc: BaseException, *, doing: str, permission: str) -> Exception:
+        return Translated(f"{exc} while {doing} [{permission}]")
+
+    cause = RuntimeError("closed")
+    queue = Declare(QueueSpec("ns.v1.delay.1s"))
+    plugin = Declare(ExchangeSpec("ns.v1.delayed", "x-delayed-message"))
+    assert refused(Exists(queue.spec), cause, translate, 404, "NOT_FOUND") is False
+    assert refused(queue, cause, translate, 406, "PRECONDITION_FAILED - x") == (
+        "PRECONDITION_FAILED - x"
+    )
+    assert refused(SupportsType("x-delayed-message"), cause, translate, 403, "") is True
+    with pytest.raises(Translated, match=r"declare queue 'ns.v1.delay.1s' \[configure\]"):
+        refused(queue, cause, translate, 403, "ACCESS_REFUSED")
+    unknown = "PRECONDITION_FAILED - unknown exchange type 'x-delayed-message'"
+    with pytest.raises(MissingPluginError, match="rabbitmq-plugins enable"):
+        refused(plugin, cause, translate, 406, unknown)  # 4.x: the channel
+    assert isinstance(failure(plugin, cause, translate, unknown), MissingPluginError)  # 3.x
+    assert isinstance(failure(plugin, cause, translate), Translated)

@@ -20,23 +20,19 @@ from rabbit_delay import _headers as h
 from rabbit_delay._broker import BrokerInfo
 from rabbit_delay._durations import MAX_TTL_MS
 from rabbit_delay._envelope import outgoing
-from rabbit_delay._plan.plan import (
-    UNKNOWN_EXCHANGE_TYPE,
-    Action,
+from rabbit_delay._plan.desired import ExchangeSpec, Kind, desired
+from rabbit_delay._plan.diff import Change, ExistingObject, Observed
+from rabbit_delay._plan.program import (
     Bind,
     Declare,
-    ExchangeSpec,
-    ExistingObject,
     Exists,
-    Kind,
-    Observed,
     Operation,
     RoutesEveryKey,
     SupportsType,
     declare_program,
-    desired,
     plan_program,
 )
+from rabbit_delay._plan.refusals import UNKNOWN_EXCHANGE_TYPE
 from rabbit_delay._publishing.core import PublisherCore
 from rabbit_delay._topology.delays import PLUGIN, Router
 
@@ -349,7 +345,7 @@ def test_plan_reports_a_wrong_inner_type_as_a_conflict_never_in_place() -> None:
     driver = PluginPresent(everything(topology), routes_every_key=False)
     plan = driver.drive(plan_program(desired(topology), None, BROKER_4_0))
     item = next(i for i in plan.items if i.name == topology.names.plugin_exchange())
-    assert item.action is Action.CONFLICT
+    assert item.action is Change.CONFLICT
     assert not plan.in_sync
 
 
@@ -358,7 +354,7 @@ def test_a_fanout_plugin_exchange_is_in_place_after_the_probe() -> None:
     driver = PluginPresent(everything(topology), routes_every_key=True)
     report = driver.drive(declare_program(desired(topology), None, BROKER_4_0))
     item = next(i for i in report.items if i.name == topology.names.plugin_exchange())
-    assert item.action is Action.IN_PLACE
+    assert item.action is Change.IN_PLACE
     assert not report.changed
 
 

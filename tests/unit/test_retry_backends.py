@@ -19,7 +19,9 @@ from rabbit_delay._consumer.delivery import outcome_of
 from rabbit_delay._consumer.outcome import Outcome
 from rabbit_delay._consumer.worker import WorkerCore
 from rabbit_delay._observe.report import WorkerReport, WorkerStats
-from rabbit_delay._plan.plan import broker_requirements, declare_program, desired, plan_program
+from rabbit_delay._plan.desired import desired
+from rabbit_delay._plan.program import declare_program, plan_program
+from rabbit_delay._plan.refusals import broker_requirements
 from rabbit_delay._topology.model import RetryBackend
 from rabbit_delay.stores import MemoryStore
 

@@ -18,7 +18,7 @@ from rabbit_delay._ops.status.rules import (
     shows_placement,
     status_rows,
 )
-from rabbit_delay._plan.plan import desired
+from rabbit_delay._plan.desired import desired
 
 A, B, C = "rabbit@a", "rabbit@b", "rabbit@c"
 

@@ -23,7 +23,8 @@ from rabbit_delay import (
 )
 from rabbit_delay import _headers as h
 from rabbit_delay._envelope import Outgoing
-from rabbit_delay._plan.plan import Action, BindingSpec, ExchangeSpec, Kind, QueueSpec, desired
+from rabbit_delay._plan.desired import BindingSpec, ExchangeSpec, Kind, QueueSpec, desired
+from rabbit_delay._plan.diff import Change
 from rabbit_delay.testing import (
     Delivered,
     KitError,
@@ -63,7 +64,7 @@ def message(exchange: str, key: str, body: bytes = b"{}", **headers: Any) -> Out
 
 def declare(broker: MemoryBroker, *specs: ExchangeSpec | QueueSpec | BindingSpec) -> None:
     """Objects outside any topology, through the same executor the declare program uses."""
-    from rabbit_delay._plan.plan import Bind, Declare
+    from rabbit_delay._plan.program import Bind, Declare
 
     for spec in specs:
         op = Bind(spec) if isinstance(spec, BindingSpec) else Declare(spec)
@@ -182,7 +183,7 @@ def test_the_declare_program_builds_exactly_the_desired_objects(broker: MemoryBr
     # Declaring again changes nothing; the plan says in place.
     again = broker.declare(topology)
     assert again.created == ()
-    assert {i.action for i in again.items if i.kind is not Kind.BINDING} == {Action.IN_PLACE}
+    assert {i.action for i in again.items if i.kind is not Kind.BINDING} == {Change.IN_PLACE}
     assert broker.plan(topology).in_sync
 
 

@@ -16,7 +16,9 @@ from rabbit_delay._ops.delete.rules import (
     decide,
     still_idle,
 )
-from rabbit_delay._plan.plan import Kind, PlanItem, desired, probe_retired_shards, retired_shards
+from rabbit_delay._plan.desired import Kind, desired
+from rabbit_delay._plan.diff import PlanItem, retired_shards
+from rabbit_delay._plan.program import probe_retired_shards
 from rabbit_delay._topology.model import QueueType, Topology
 from rabbit_delay._urls import ManagementEndpoint
 from rabbit_delay.sync._connection import ChannelSlot

@@ -23,7 +23,8 @@ from typing import Any
 
 from rabbit_delay._errors import RabbitDelayError
 from rabbit_delay._names import CASCADE_KIND, TIER_KIND, Names
-from rabbit_delay._plan.plan import Desired, Kind, PlanItem
+from rabbit_delay._plan.desired import Desired, Kind
+from rabbit_delay._plan.diff import PlanItem
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from rabbit_delay._io.management import (
 from rabbit_delay._names import CASCADE_KIND, TIER_KIND
 from rabbit_delay._ops.replay.execute import PassiveCounts, passive_counts, peek_head
 from rabbit_delay._ops.status.rules import AGE_FROM_API, PluginStore, Status, status_rows
-from rabbit_delay._plan.plan import desired
+from rabbit_delay._plan.desired import desired
 from rabbit_delay._topology.model import QueueType, Topology
 from rabbit_delay._urls import ManagementEndpoint, management_endpoint, redact
 from rabbit_delay.sync._connection import broker_info, close_quietly, connect_first

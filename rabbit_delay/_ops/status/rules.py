@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from rabbit_delay._durations import format_ms, iso_ms
 from rabbit_delay._io.management import QueueStats
-from rabbit_delay._plan.plan import desired
+from rabbit_delay._plan.desired import desired
 from rabbit_delay._topology.model import Topology
 
 

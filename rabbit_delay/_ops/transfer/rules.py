@@ -38,7 +38,7 @@ from rabbit_delay._durations import format_ms, iso_ms
 from rabbit_delay._envelope import BINARY, Envelope, Outgoing, outgoing
 from rabbit_delay._errors import ConfigError, DecodeError, DelayError, UnknownTargetError
 from rabbit_delay._ops.replay.rules import Leave, Stored, replay_headers
-from rabbit_delay._plan.plan import desired
+from rabbit_delay._plan.desired import desired
 from rabbit_delay._topology.delays import Router
 from rabbit_delay._topology.model import QueueType, Topology
 

@@ -1,0 +1,97 @@
+"""Names vulture (the dead-code check of .ci/run, configured in pyproject.toml) reports
+as unused in rabbit_delay/ although something it cannot see uses them. Started from
+`vulture --make-whitelist`, then reviewed: each entry says who uses it. Not executed.
+
+A new entry needs a user outside the package (a framework calling it by name, an
+application using the public API); anything else that vulture reports is dead: delete it.
+"""
+
+# -- called by a framework or a protocol, by name -----------------------------------------
+
+__getattr__  # PEP 562: the lazy exports of rabbit_delay/__init__.py
+__dir__  # PEP 562: the lazy exports of rabbit_delay/__init__.py
+_root  # typer: the app's callback (rabbit_delay/_cli/app.py)
+permissions_command  # typer: the `permissions` command (rabbit_delay/_cli/commands.py)
+_.exit_code  # click reads it from a usage error (rabbit_delay/_cli/app.py)
+rabbit_delay_broker  # pytest: a fixture of the plugin (rabbit_delay/testing/pytest_plugin.py)
+model_config  # pydantic (rabbit_delay/_topology/model.py)
+_._one_schedule  # pydantic validator (rabbit_delay/_topology/model.py)
+_._limit_fits_retries  # pydantic validator (rabbit_delay/_topology/model.py)
+_._ttl_fits  # pydantic validator (rabbit_delay/_topology/model.py)
+_._absolute_path  # pydantic validator (rabbit_delay/_topology/model.py)
+_._idempotency_in_context  # pydantic validator (rabbit_delay/_topology/model.py)
+_._consistent  # pydantic validator (rabbit_delay/_topology/model.py)
+_.submit  # concurrent.futures.Executor: run_in_executor calls it (rabbit_delay/aio/_worker.py)
+daemon_threads  # socketserver (rabbit_delay/_io/endpoints.py, _ops/dashboard/server.py)
+allow_reuse_address  # socketserver (rabbit_delay/_io/endpoints.py, _ops/dashboard/server.py)
+request_queue_size  # socketserver (rabbit_delay/_ops/dashboard/server.py)
+address_family  # socketserver (rabbit_delay/_ops/dashboard/server.py)
+_.log_message  # http.server: an override (rabbit_delay/_io/endpoints.py, dashboard)
+_.log_request  # http.server: an override (rabbit_delay/_ops/dashboard/server.py)
+_.formatTime  # logging.Formatter: an override (rabbit_delay/_observe/logs.py)
+datefmt  # logging.Formatter.formatTime's parameter (rabbit_delay/_observe/logs.py)
+tb  # __exit__ / __aexit__'s parameter (rabbit_delay/testing/_kit.py)
+_.client_properties  # read by pika: ConnectionParameters (rabbit_delay/sync/_connection.py)
+_.connection_attempts  # read by pika: ConnectionParameters
+_.socket_timeout  # read by pika: ConnectionParameters
+_.stack_timeout  # read by pika: ConnectionParameters
+_.blocked_connection_timeout  # read by pika: ConnectionParameters
+_.ssl_options  # read by pika: ConnectionParameters
+
+# Enum members chosen by value (a CLI argument, a topology file, a metric label).
+WORKER  # Role("worker"): `rabbit-delay permissions worker` (rabbit_delay/_plan/permissions.py)
+CLIENT_LOCAL  # LeaderLocator("client-local"): [scaling] (rabbit_delay/_topology/model.py)
+SUCCESS  # metrics.Outcome("success"): the outcome label (rabbit_delay/_observe/metrics.py)
+PARK  # metrics.Outcome("park"): the outcome label (rabbit_delay/_observe/metrics.py)
+
+# Counters read through dataclasses.fields() (as_dict: metrics, /healthz, logs).
+deferred  # WorkerStats (rabbit_delay/_consumer/stats.py)
+duplicates  # WorkerStats
+publish_failures  # WorkerStats
+reconnects  # WorkerStats
+consumer_cancels  # WorkerStats
+leases_lost  # WorkerStats
+duplicates_skipped  # GuardStats (rabbit_delay/_idempotency/guard.py)
+in_progress_deferred  # GuardStats
+cancelled_dropped  # GuardStats
+
+# -- the public API: used by applications, documented ------------------------------------
+
+_.publish_delayed  # Publisher, AsyncPublisher (rabbit_delay/_publishing/core.py)
+_.publish_many  # Publisher, AsyncPublisher
+_.connected_url  # Publisher, AsyncPublisher
+_.acancel  # App (rabbit_delay/_consumer/app.py)
+_.traceparent  # HandlerContext (rabbit_delay/_consumer/context.py)
+_.scheduled_at  # HandlerContext
+_.is_last_attempt  # HandlerContext
+started_at  # ReconcileContext (docs/reconciliation.md)
+_.tier_for_ms  # Topology (rabbit_delay/_topology/model.py)
+_.from_config  # Guard, AsyncGuard (docs/idempotency.md)
+_.mark_done_in  # SQLiteStore: the inbox pattern (docs/idempotency.md)
+_.cancel_in  # SQLiteStore (docs/idempotency.md, examples/inbox_sqlite.py)
+_.async_publisher  # rabbit_delay.testing.TestBroker (docs/testing.md)
+_.aadvance  # TestBroker
+_.arun_until_idle  # TestBroker
+_.queue_depth  # TestBroker
+_.delete_queue  # rabbit_delay.testing.MemoryBroker
+_.has_exchange  # MemoryBroker
+_.queue_arguments  # MemoryBroker
+
+# -- NOT used: found when this check was added (issue 20) in modules that others were
+# reshaping at the time. Delete the code (and the tests that only exercise it), then
+# the line here. This section only shrinks.
+
+SettleStep  # rabbit_delay/_consumer/delivery.py: no user
+_.all_sent  # rabbit_delay/_publishing/confirms.py: no user
+_.resent  # rabbit_delay/_publishing/confirms.py: written, never read
+_._submit_many  # rabbit_delay/_stores/sqlite.py: no user
+_.usable  # rabbit_delay/_io/management.py: no user
+_.coalescing  # rabbit_delay/_consumer/acks.py: used only by a test
+TRACE_HEADERS  # rabbit_delay/_headers.py: used only by a test
+peek_messages  # rabbit_delay/_io/management.py: used only by a test
+_.from_management  # rabbit_delay/_ops/replay/rules.py: used only by a test
+_.outages  # rabbit_delay/_publishing/confirms.py: used only by a test
+_.server_hostname  # rabbit_delay/_tls.py: used only by a test
+broker_url  # rabbit_delay/_urls.py: used only by a test
+_.time_handler  # rabbit_delay/_observe/metrics.py: used only by a test
+_.schedule_deviation  # rabbit_delay/_observe/metrics.py: used only by a test (stats.py has its own)
