@@ -59,12 +59,12 @@ from rabbit_delay._errors import (
 from rabbit_delay._reconcile import AsyncReconcileContext, ReconcileContext, Resubmit
 from rabbit_delay._tls import TLSOptions
 from rabbit_delay._topology.model import Topology, load_topology, topology_from_dict
+from rabbit_delay._version import __version__
 
 if TYPE_CHECKING:
     from rabbit_delay.aio import AsyncPublisher, AsyncWorker
     from rabbit_delay.sync import Publisher, Worker
 
-__version__ = "0.1.0"
 
 __all__ = [
     "AccessRefused",

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from rabbit_delay import _headers as h
+import rabbit_delay._headers as h
 from rabbit_delay._errors import DecodeError, EncodeError
 
 if TYPE_CHECKING:

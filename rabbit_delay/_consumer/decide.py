@@ -41,7 +41,7 @@ from enum import StrEnum
 
 from pydantic import ValidationError
 
-from rabbit_delay import _headers as h
+import rabbit_delay._headers as h
 from rabbit_delay._broker import UNKNOWN, BrokerInfo
 from rabbit_delay._consumer.control import Reject, Retry
 from rabbit_delay._consumer.leases import defer_delay_ms

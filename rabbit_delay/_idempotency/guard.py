@@ -12,7 +12,7 @@ from rabbit_delay._envelope import now_ms as wall_clock_ms
 from rabbit_delay._errors import ConfigError
 
 if TYPE_CHECKING:
-    from rabbit_delay._topology.model import IdempotencyConfig
+    pass
 
 DEFAULT_PREFIX = "rabbit-delay:"
 
@@ -400,23 +400,6 @@ class Guard(_GuardBase):
         super().__init__(lease_ms=lease_ms, retention_ms=retention_ms, clock=clock)
         self.store = store
 
-    @classmethod
-    def from_config(
-        cls,
-        cfg: IdempotencyConfig,
-        *,
-        prefix: str = DEFAULT_PREFIX,
-        clock: Clock = wall_clock_ms,
-    ) -> Guard:
-        """A guard over the store `cfg` names, with its lease and retention.
-
-        Raises like `store_from_config`.
-        """
-        from rabbit_delay._stores.factory import store_from_config
-
-        store = store_from_config(cfg, prefix=prefix)
-        return cls(store, lease_ms=cfg.lease, retention_ms=cfg.retention, clock=clock)
-
     def claim(self, key: str, owner: str) -> ClaimResult:
         """Claim `key` for `owner` before the handler runs.
 
@@ -525,20 +508,6 @@ class AsyncGuard(_GuardBase):
     ) -> None:
         super().__init__(lease_ms=lease_ms, retention_ms=retention_ms, clock=clock)
         self.store = store
-
-    @classmethod
-    def from_config(
-        cls,
-        cfg: IdempotencyConfig,
-        *,
-        prefix: str = DEFAULT_PREFIX,
-        clock: Clock = wall_clock_ms,
-    ) -> AsyncGuard:
-        """A guard over `async_store_from_config(cfg)`. Raises like `store_from_config`."""
-        from rabbit_delay._stores.factory import async_store_from_config
-
-        store = async_store_from_config(cfg, prefix=prefix)
-        return cls(store, lease_ms=cfg.lease, retention_ms=cfg.retention, clock=clock)
 
     async def claim(self, key: str, owner: str) -> ClaimResult:
         """See `Guard.claim`. Raises ValueError for an empty key."""

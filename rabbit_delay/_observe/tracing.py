@@ -50,11 +50,12 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from rabbit_delay import _headers as h
+import rabbit_delay._headers as h
 from rabbit_delay._consumer.decide import BrokerRetry, Park
 from rabbit_delay._consumer.delivery import Delivery, Program, Publish, Run, Settled
 from rabbit_delay._envelope import Outgoing, with_trace_context
 from rabbit_delay._envelope import text_header as text
+from rabbit_delay._version import __version__
 
 if TYPE_CHECKING:
     from rabbit_delay._consumer.app import Consumer
@@ -150,8 +151,6 @@ class OpenTelemetry:
     def _tracer(self) -> Any:
         tracer = self.tracer
         if tracer is None:
-            from rabbit_delay import __version__
-
             tracer = self.tracer = self._trace.get_tracer(
                 INSTRUMENTATION, __version__, tracer_provider=_provider
             )

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypedDict, TypeVar
 
-from rabbit_delay import _headers as h
+import rabbit_delay._headers as h
 from rabbit_delay._connection import DEFAULT_BLOCKED_TIMEOUT_S, ConnectionSettings
 from rabbit_delay._durations import DurationLike, format_ms, iso, parse_ms
 from rabbit_delay._envelope import (

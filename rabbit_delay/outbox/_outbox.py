@@ -7,11 +7,11 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
+import rabbit_delay.outbox._sql as _sql
 from rabbit_delay._envelope import Body, now_ms
 from rabbit_delay._io.sql import check_table_name
 from rabbit_delay._publishing.core import DelayLike, PublisherCore
 from rabbit_delay._topology.model import Topology
-from rabbit_delay.outbox import _sql
 from rabbit_delay.outbox._core import DEFAULT_TABLE, new_row
 
 

@@ -28,6 +28,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 from urllib.parse import quote
 
+import rabbit_delay.outbox._sql as _sql
 from rabbit_delay._connection import DEFAULT_BLOCKED_TIMEOUT_S, ConnectionSettings, ReconnectBackoff
 from rabbit_delay._durations import DurationLike, parse_ms
 from rabbit_delay._envelope import now_ms
@@ -44,7 +45,6 @@ from rabbit_delay._publishing.confirms import DEFAULT_RECOVERY_TIMEOUT_S
 from rabbit_delay._topology.delays import Router
 from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import redact
-from rabbit_delay.outbox import _sql
 from rabbit_delay.outbox._core import (
     DEFAULT_CLEANUP_INTERVAL,
     DEFAULT_MAX_POLL,

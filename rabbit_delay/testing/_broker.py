@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from rabbit_delay import _headers as h
+import rabbit_delay._headers as h
 from rabbit_delay._broker import BrokerInfo, normalise_queue_arguments
 from rabbit_delay._durations import DurationLike, format_ms, parse_ms
 from rabbit_delay._envelope import Outgoing
