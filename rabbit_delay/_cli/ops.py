@@ -50,7 +50,7 @@ from rabbit_delay._stop_signals import install_stop_signals
 from rabbit_delay._urls import redact
 
 if TYPE_CHECKING:
-    from rabbit_delay._ops.replay.execute import Moved, Preview
+    from rabbit_delay._ops.replay.rules import Moved, Preview
 
 # Something needs a human: a missing object, messages in a parking lot or the catch-all, a
 # consumer on a delay buffer, a stuck buffer, a quorum queue without a majority.
@@ -361,8 +361,8 @@ def replay(
     Each copy is confirmed by the broker before the parked message is acked.
     On a failure the message stays parked and the command stops with exit code 1.
     """
+    from rabbit_delay._ops.queues import passive_counts
     from rabbit_delay._ops.replay.execute import (
-        passive_counts,
         preview_parked,
         preview_unroutable,
         replay_parked,
@@ -405,7 +405,7 @@ def replay(
 
                 def held() -> int:
                     counts = passive_counts(connection, [source])[source]
-                    return counts.ready if counts is not None else 0
+                    return (counts.ready or 0) if counts is not None else 0
 
                 with _progress(source, held, limit, wanted=not as_json) as advance:
                     if unroutable:

@@ -164,7 +164,8 @@ def show_command(
 
     Exit code 1 when no message of the lot has this id.
     """
-    from rabbit_delay._ops.parked.execute import parking_lot, show_parked
+    from rabbit_delay._ops.parked.execute import show_parked
+    from rabbit_delay._ops.parked.rules import parking_lot
     from rabbit_delay.sync._connection import close_quietly, connect_first
 
     with errors_to_exit():
@@ -212,7 +213,8 @@ def purge_command(
 ) -> None:
     """Delete every message parked for QUEUE: they cannot be recovered. Asks first
     unless --yes. Exit code 1 when not confirmed (nothing purged)."""
-    from rabbit_delay._ops.parked.execute import parked_count, parking_lot, purge_parked
+    from rabbit_delay._ops.parked.execute import parked_count, purge_parked
+    from rabbit_delay._ops.parked.rules import parking_lot
     from rabbit_delay.sync._connection import close_quietly, connect_first
 
     with errors_to_exit():

@@ -42,7 +42,8 @@ from rabbit_delay import (
 )
 from rabbit_delay._cli.app import app as cli_app
 from rabbit_delay._cli.app import load_commands
-from rabbit_delay._ops.replay.execute import passive_counts, peek, replay_parked
+from rabbit_delay._ops.queues import passive_counts, peek
+from rabbit_delay._ops.replay.execute import replay_parked
 from rabbit_delay._urls import MANAGEMENT_URL_ENV, URL_ENV, redact
 from rabbit_delay.aio import AsyncPublisher
 from rabbit_delay.stores import MemoryStore

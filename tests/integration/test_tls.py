@@ -47,7 +47,7 @@ from rabbit_delay import (
 )
 from rabbit_delay._cli.app import app as cli_app
 from rabbit_delay._cli.app import load_commands
-from rabbit_delay._io.management import checked, read_queue_stats
+from rabbit_delay._io.management import checked, read_queue_counts
 from rabbit_delay._urls import management_endpoints
 from rabbit_delay.stores import MemoryStore
 from rabbit_delay.sync import Publisher, broker_info, connect, connected, declare
@@ -377,7 +377,7 @@ def test_the_management_api_over_https_uses_the_ca_and_client_certificate_of_the
     assert endpoints[0].base == f"https://127.0.0.1:{tls.https_port}"
     access = checked(endpoints, info)
     assert access.endpoint is not None, access.note
-    assert read_queue_stats(access.endpoint, "nothing-here.") == {}
+    assert read_queue_counts(access.endpoint, "nothing-here.") == {}
 
     # The management listener requires a client certificate: without one, the API is
     # not used, and the note says why (passive declares instead, never unverified).

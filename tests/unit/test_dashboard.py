@@ -28,7 +28,7 @@ from rabbit_delay._ops.dashboard.rules import (
     snapshot_json,
     start_message,
 )
-from rabbit_delay._ops.status.rules import PluginStore, Role, Status, status_rows
+from rabbit_delay._ops.status.rules import PluginStore, QueueRole, Status, status_rows
 from rabbit_delay._plan.plan import desired
 from rabbit_delay.metrics import Metrics
 
@@ -270,7 +270,7 @@ def test_the_picture_shows_the_cascade_and_the_plugin() -> None:
     )
     status = a_status(t)
     roles = {node.role for node in picture(status, t.names).nodes}
-    assert Role.CASCADE.value in roles
+    assert QueueRole.CASCADE.value in roles
     status.plugin = PluginStore("pic.v1.delayed", 12)
     plugin = picture(status, t.names).node("plugin")
     assert (plugin.ready, plugin.column) == (12, 1)

@@ -16,11 +16,11 @@ from rabbit_delay._ops.replay.rules import (
     Leave,
     ParkedReplay,
     Reroute,
-    Stored,
     UnroutableReplay,
     replay_headers,
     resolve_queue,
 )
+from rabbit_delay._ops.stored import Stored
 
 NOW = 1_800_000_000_000
 

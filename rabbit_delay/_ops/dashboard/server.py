@@ -52,14 +52,13 @@ from rabbit_delay._ops.dashboard.rules import (
     snapshot_json,
 )
 from rabbit_delay._ops.parked.rules import ParkedDetail, ParkedPage
+from rabbit_delay._ops.replay.rules import ReplayReport
 from rabbit_delay._ops.status.rules import Status
 from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import redact
 
 if TYPE_CHECKING:
     from wsgiref.types import StartResponse, WSGIEnvironment
-
-    from rabbit_delay._ops.replay.execute import ReplayReport
 
 log = logging.getLogger("rabbit_delay.dashboard")
 
