@@ -14,13 +14,12 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from rabbit_delay._cli.app import (
+from rabbit_delay._cli.options import (
     EXIT_ERROR,
     EXIT_OK,
     JsonOpt,
     TopologyOpt,
     UrlOpt,
-    app,
     err,
     errors_to_exit,
     fail,
@@ -37,7 +36,6 @@ parked_app = typer.Typer(
     help="List, show and purge the messages parked for a business queue.",
     no_args_is_help=True,
 )
-app.add_typer(parked_app)
 
 QueueArg = Annotated[
     str,

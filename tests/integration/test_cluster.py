@@ -58,7 +58,6 @@ from rabbit_delay import (
 )
 from rabbit_delay._broker import QueueCounts
 from rabbit_delay._cli.app import app as cli_app
-from rabbit_delay._cli.app import load_commands
 from rabbit_delay._io.management import get_json, read_queue_counts
 from rabbit_delay._urls import MANAGEMENT_URL_ENV, URL_ENV, management_endpoint
 from rabbit_delay.aio import AsyncPublisher
@@ -75,7 +74,6 @@ from .workers.harness import RunningWorker
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster, pytest.mark.xdist_group("cluster")]
 
-load_commands()
 
 TIER = "3s"
 QUEUE = "cluster.orders"

@@ -46,7 +46,6 @@ from rabbit_delay import (
     topology_from_dict,
 )
 from rabbit_delay._cli.app import app as cli_app
-from rabbit_delay._cli.app import load_commands
 from rabbit_delay._io.management import checked, read_queue_counts
 from rabbit_delay._urls import management_endpoints
 from rabbit_delay.stores import MemoryStore
@@ -285,7 +284,6 @@ def test_a_certificate_that_fails_verification_is_refused_with_a_clear_error(
 
 
 def test_the_cli_reports_a_refused_certificate_in_one_line(tls: TLSNode, tmp_path: Path) -> None:
-    load_commands()
     path = tmp_path / "t.toml"
     path.write_text(f'namespace = "{unique_namespace()}"\n[tiers]\n1s = "1s"\n[queues.q]\n')
     result = CliRunner().invoke(
@@ -392,7 +390,6 @@ def test_the_management_api_over_https_uses_the_ca_and_client_certificate_of_the
 
 
 def test_plan_and_status_read_the_management_api_over_https(tls: TLSNode, tmp_path: Path) -> None:
-    load_commands()
     namespace = unique_namespace()
     path = tmp_path / "t.toml"
     path.write_text(f'namespace = "{namespace}"\n[tiers]\n1s = "1s"\n[queues.q]\n')

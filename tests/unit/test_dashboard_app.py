@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rabbit_delay import BrokerUnavailable, MissingObjectError, Topology
-from rabbit_delay._cli.app import app, load_commands
+from rabbit_delay._cli.app import app
 from rabbit_delay._ops.dashboard.rules import TOKEN_HEADER, Auth
 from rabbit_delay._ops.dashboard.server import CSP, Dashboard
 from rabbit_delay._ops.parked.rules import ParkedDetail, ParkedPage, find, page
@@ -27,8 +27,6 @@ from rabbit_delay._ops.status.rules import Status
 from rabbit_delay._ops.stored import Stored
 
 from .test_dashboard import Counts, a_status, a_topology
-
-load_commands()
 
 SECRET = "s3cret-pw"
 TOKEN_SECRET = "t0ken-s3cret"

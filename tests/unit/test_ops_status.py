@@ -13,7 +13,8 @@ from rich.console import Console
 
 from rabbit_delay import Topology, topology_from_dict
 from rabbit_delay._broker import BrokerInfo, QueueCounts
-from rabbit_delay._cli.ops import render_status, shows_progress
+from rabbit_delay._cli.replay import shows_progress
+from rabbit_delay._cli.status import render_status
 from rabbit_delay._io.management import counts_from_api, delayed_messages
 from rabbit_delay._ops.status.rules import (
     AGE_FROM_API,
@@ -296,7 +297,7 @@ def test_ctrl_c_during_a_read_lets_the_read_finish_then_stops_the_watch() -> Non
     import time
 
     from rabbit_delay import BrokerUnavailable
-    from rabbit_delay._cli.ops import _watch
+    from rabbit_delay._cli.status import _watch
 
     reads: list[str] = []
 
@@ -321,7 +322,7 @@ def test_a_second_ctrl_c_interrupts_a_read_at_once() -> None:
     import signal
     import time
 
-    from rabbit_delay._cli.ops import _watch
+    from rabbit_delay._cli.status import _watch
 
     reads: list[str] = []
 

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from rabbit_delay import Topology, topology_from_dict
 from rabbit_delay._broker import QueueCounts
-from rabbit_delay._cli.ops import _status_table
+from rabbit_delay._cli.status import _status_table
 from rabbit_delay._io.management import counts_from_api
 from rabbit_delay._ops.status.rules import (
     QueueRole,
