@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from rabbit_delay._broker import BrokerInfo
 from rabbit_delay._cli.options import (
     EXIT_OK,
     EXIT_PENDING,
@@ -29,6 +30,7 @@ from rabbit_delay._cli.options import (
 from rabbit_delay._errors import DeclarationConflict
 from rabbit_delay._io.management import observe
 from rabbit_delay._plan.plan import Action, Plan, PlanItem
+from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import redact
 
 _STYLE = {
@@ -86,6 +88,13 @@ def _table(
     return table
 
 
+def _print_plan(topology: Topology, broker: str, info: BrokerInfo, plan: Plan, source: str) -> None:
+    """The plan's table, titled with the broker it was read from, and how it was read."""
+    title = f"plan for {topology.names.prefix} on {redact(broker)} ({info.describe()})"
+    out.print(_table(escape(title), plan.items))
+    out.print(escape(f"read via {source}"))
+
+
 def _summary(plan: Plan) -> str:
     counts: dict[str, int] = {}
     for i in plan.items:
@@ -130,9 +139,7 @@ def plan(
             }
         )
     else:
-        title = f"plan for {topology.names.prefix} on {redact(broker)} ({info.describe()})"
-        out.print(_table(escape(title), result.items))
-        out.print(escape(f"read via {source}"))
+        _print_plan(topology, broker, info, result, source)
         for conflict in result.conflicts:
             out.print(f"[bold red]conflict:[/] {escape(conflict.describe())}")
         state = "in sync" if result.in_sync else "changes pending"
@@ -167,9 +174,7 @@ def declare(
             observed, source = observe(access, topology)
             before = sync_plan(connection, topology, observed=observed)
             if not as_json:
-                title = f"plan for {topology.names.prefix} on {redact(broker)} ({info.describe()})"
-                out.print(_table(escape(title), before.items))
-                out.print(escape(f"read via {source}"))
+                _print_plan(topology, broker, info, before, source)
             try:
                 report = sync_declare(connection, topology, observed=observed)
             except DeclarationConflict as exc:

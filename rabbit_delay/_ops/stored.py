@@ -17,24 +17,16 @@ from typing import Any
 
 from rabbit_delay import _headers as h
 from rabbit_delay._durations import iso_ms
+from rabbit_delay._envelope import text_header
 
 
-def as_text(value: object) -> str | None:
-    """A header value as text (bytes decoded as UTF-8), None when absent."""
-    if value is None:
-        return None
-    if isinstance(value, bytes | bytearray):
-        return bytes(value).decode("utf-8", errors="replace")
-    return str(value)
-
-
-def as_int(value: object) -> int | None:
-    """A header value as a whole number (also given as text), None when it is not one."""
+def int_header(value: object) -> int | None:
+    """A header read back as a whole number (also given as text), None when it is not one."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
         return value
-    text = as_text(value)
+    text = text_header(value)
     try:
         return int(text) if text is not None else None
     except ValueError:
@@ -46,7 +38,7 @@ def _epoch_ms(value: object) -> int | None:
     if isinstance(value, datetime):
         aware = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
         return int(aware.timestamp() * 1000)
-    seconds = as_int(value)
+    seconds = int_header(value)
     return None if seconds is None else seconds * 1000
 
 
@@ -80,11 +72,11 @@ class Stored:
             headers=props.get("headers") or {},
             exchange=str(item.get("exchange") or ""),
             routing_key=str(item.get("routing_key") or ""),
-            timestamp=as_int(props.get("timestamp")),
+            timestamp=int_header(props.get("timestamp")),
         )
 
     def header(self, name: str) -> str | None:
-        return as_text(self.headers.get(name))
+        return text_header(self.headers.get(name))
 
     @property
     def first_death(self) -> Mapping[str, object] | None:
@@ -96,7 +88,7 @@ class Stored:
 
     @property
     def attempt(self) -> int | None:
-        return as_int(self.headers.get(h.H_ATTEMPT))
+        return int_header(self.headers.get(h.H_ATTEMPT))
 
     @property
     def target(self) -> str | None:
@@ -114,12 +106,12 @@ class Stored:
     @property
     def first_failure_ms(self) -> int | None:
         """When its first attempt failed (the worker's rd-first-failure-at)."""
-        return as_int(self.headers.get(h.H_FIRST_FAILURE))
+        return int_header(self.headers.get(h.H_FIRST_FAILURE))
 
     @property
     def last_failure_ms(self) -> int | None:
         """When its last attempt failed (the worker's rd-last-failure-at)."""
-        return as_int(self.headers.get(h.H_LAST_FAILURE))
+        return int_header(self.headers.get(h.H_LAST_FAILURE))
 
     @property
     def queued_at_ms(self) -> int | None:
@@ -140,7 +132,7 @@ class Stored:
         if reason is not None:
             return reason
         death = self.first_death
-        return None if death is None else as_text(death.get("reason"))
+        return None if death is None else text_header(death.get("reason"))
 
     def summary(self) -> dict[str, object]:
         """What an operator needs to decide about this message (no body, no traceback)."""
@@ -158,4 +150,4 @@ class Stored:
         }
 
 
-__all__ = ["Stored", "as_int", "as_text"]
+__all__ = ["Stored", "int_header"]

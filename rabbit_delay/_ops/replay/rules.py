@@ -31,9 +31,10 @@ from rabbit_delay._envelope import (
     new_message_id,
     outgoing,
     strip_broker_headers,
+    text_header,
 )
 from rabbit_delay._errors import UnknownTargetError
-from rabbit_delay._ops.stored import Stored, as_text
+from rabbit_delay._ops.stored import Stored
 from rabbit_delay._topology.delays import IMMEDIATE, Route, Router
 from rabbit_delay._topology.model import Topology
 
@@ -155,7 +156,7 @@ class UnroutableReplay:
             return original
         n = self.topology.names
         death = msg.first_death
-        candidates = [as_text(death.get("queue")) if death else None, msg.routing_key]
+        candidates = [text_header(death.get("queue")) if death else None, msg.routing_key]
         for name in candidates:
             try:
                 kind, detail = n.parse(name or "")
