@@ -66,7 +66,7 @@ _.scheduled_at  # HandlerContext
 _.is_last_attempt  # HandlerContext
 started_at  # ReconcileContext (docs/reconciliation.md)
 _.tier_for_ms  # Topology (rabbit_delay/_topology/model.py)
-_.from_config  # Guard, AsyncGuard (docs/idempotency.md)
+
 _.mark_done_in  # SQLiteStore: the inbox pattern (docs/idempotency.md)
 _.cancel_in  # SQLiteStore (docs/idempotency.md, examples/inbox_sqlite.py)
 _.async_publisher  # rabbit_delay.testing.TestBroker (docs/testing.md)
@@ -81,17 +81,13 @@ _.queue_arguments  # MemoryBroker
 # reshaping at the time. Delete the code (and the tests that only exercise it), then
 # the line here. This section only shrinks.
 
-SettleStep  # rabbit_delay/_consumer/delivery.py: no user
-_.all_sent  # rabbit_delay/_publishing/confirms.py: no user
-_.resent  # rabbit_delay/_publishing/confirms.py: written, never read
-_._submit_many  # rabbit_delay/_stores/sqlite.py: no user
-_.usable  # rabbit_delay/_io/management.py: no user
-_.coalescing  # rabbit_delay/_consumer/acks.py: used only by a test
-TRACE_HEADERS  # rabbit_delay/_headers.py: used only by a test
-peek_messages  # rabbit_delay/_io/management.py: used only by a test
-_.from_management  # rabbit_delay/_ops/replay/rules.py: used only by a test
-_.outages  # rabbit_delay/_publishing/confirms.py: used only by a test
-_.server_hostname  # rabbit_delay/_tls.py: used only by a test
-broker_url  # rabbit_delay/_urls.py: used only by a test
-_.time_handler  # rabbit_delay/_observe/metrics.py: used only by a test
-_.schedule_deviation  # rabbit_delay/_observe/metrics.py: used only by a test (stats.py has its own)
+# -- read by tests, or by name -------------------------------------------------------------
+_.coalescing  # AckTracker: tests assert when coalescing switches off (white box)
+_.outages  # Recovery: tests count outages (white box)
+TRACE_HEADERS  # rabbit_delay/_headers.py: the wire contract's list (tests, docs)
+broker_url  # rabbit_delay/_urls.py: benchmarks and tools resolve $RABBIT_DELAY_URL with it
+# WorkerStats counters: incremented by name (WorkerStats.count), read by users and tests
+_.duplicate
+_.requeued
+_.handed_back
+_.store_failures

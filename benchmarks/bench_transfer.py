@@ -42,8 +42,8 @@ from typing import Any
 
 from rabbit_delay import Topology, topology_from_dict
 from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topology
-from rabbit_delay._ops.transfer.execute import DEFAULT_TRANSFER_BATCH, transfer
-from rabbit_delay._ops.transfer.rules import Transfer
+from rabbit_delay._ops.transfer.execute import transfer
+from rabbit_delay._ops.transfer.rules import DEFAULT_TRANSFER_BATCH, Transfer
 from rabbit_delay._urls import broker_url, redact
 from rabbit_delay.sync import Publisher, broker_info, connected
 from rabbit_delay.sync import declare as sync_declare

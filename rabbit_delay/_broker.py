@@ -1,4 +1,5 @@
-"""What the broker at the other end is, and what its version really does. Pure.
+"""What the broker at the other end is, what its version really does, and what it
+reports about a queue. Pure.
 
 Both transports read the AMQP `connection.start` server properties once per connection
 and build a `BrokerInfo`; every rule that differs between RabbitMQ versions is a property
@@ -165,6 +166,44 @@ def is_consumer_timeout(reply_text: str) -> bool:
     return _CONSUMER_TIMEOUT.search(reply_text) is not None
 
 
+# -- what the broker reports about a queue -------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class QueueCounts:
+    """The messages and consumers of one queue, as the broker reports them.
+
+    Two sources fill it: a passive `queue.declare` (live and exact: `ready` and
+    `consumers` only; the operations' `_ops.queues`), and the management API (sampled,
+    every 5 s by default, so it lags behind the broker: every field it has a figure
+    for; `_io.management`). None where the source has no figure (the API for a queue
+    just declared, or a field the source never tells).
+
+    From the API only: `unacked`; for a quorum queue its Raft `leader` node, its
+    `members` (the nodes holding a replica) and those of them `online`, and
+    `dead_lettering`, the messages it dead-lettered (at-least-once) that the target has
+    not confirmed yet, in neither ready nor unacked; and `head_timestamp`, the AMQP
+    `timestamp` (seconds) of the message at the head, which a classic queue reports
+    (`head_message_timestamp`) when that message has one (quorum queues do not, 3.10 to
+    4.3).
+    """
+
+    ready: int | None
+    unacked: int | None = None
+    consumers: int | None = None
+    leader: str | None = None
+    members: tuple[str, ...] | None = None
+    online: tuple[str, ...] | None = None
+    dead_lettering: int | None = None
+    head_timestamp: int | None = None
+
+    @property
+    def held(self) -> int:
+        """Messages the queue holds: ready, unacked and being dead-lettered (a figure
+        the source did not give counts as none)."""
+        return (self.ready or 0) + (self.unacked or 0) + (self.dead_lettering or 0)
+
+
 # -- arguments the broker adds by itself ----------------------------------------------
 
 # RabbitMQ 4.x records `x-queue-type: classic` on a classic queue declared without any
@@ -182,6 +221,7 @@ __all__ = [
     "QUEUE_ARGUMENT_DEFAULTS",
     "UNKNOWN",
     "BrokerInfo",
+    "QueueCounts",
     "Version",
     "is_consumer_timeout",
     "normalise_queue_arguments",

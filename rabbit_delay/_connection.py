@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import errno
 import random
-import socket
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -135,7 +134,7 @@ def cause_of(exc: BaseException) -> Cause | None:
         return Cause.TLS
     for e in exception_chain(exc):
         name = type(e).__name__
-        if isinstance(e, socket.gaierror):
+        if name == "gaierror":  # socket.gaierror: the name did not resolve
             return Cause.DNS
         if isinstance(e, ConnectionRefusedError) or getattr(e, "errno", None) == errno.ECONNREFUSED:
             return Cause.REFUSED  # aiormq's AMQPConnectionError carries the socket's errno

@@ -56,11 +56,6 @@ class TLSOptions:
             server_name=other.server_name or self.server_name,
         )
 
-    def server_hostname(self, host: str | None) -> str | None:
-        """The name the server's certificate is checked against (SNI too): `server_name`
-        when given, else the URL's host."""
-        return self.server_name or host
-
     def context(self) -> ssl.SSLContext:
         """A client context that verifies the server (CERT_REQUIRED, host name checked).
 

@@ -37,7 +37,7 @@ import typer.main
 from markdown_it import MarkdownIt
 
 from rabbit_delay import load_topology, topology_from_dict
-from rabbit_delay._cli.app import app, load_commands
+from rabbit_delay._cli.app import app
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
@@ -176,7 +176,6 @@ def test_json_block_parses(block: Block) -> None:
 
 def _cli() -> Any:
     """The click command tree typer builds for the `rabbit-delay` app."""
-    load_commands()
     return typer.main.get_command(app)
 
 

@@ -12,20 +12,22 @@ from typing import Annotated
 
 import typer
 
-from rabbit_delay._cli.app import (
+from rabbit_delay._cli.options import (
     JsonOpt,
+    LogLevel,
+    LogLevelOpt,
+    MgmtOpt,
+    NoMgmtOpt,
     TopologyArg,
     TopologyOpt,
     UrlOpt,
-    app,
+    configure_logging,
     errors_to_exit,
     fail,
     out,
     resolve_topology,
     url_for,
 )
-from rabbit_delay._cli.commands import MgmtOpt, NoMgmtOpt
-from rabbit_delay._cli.worker import LogLevel, LogLevelOpt, configure_logging
 from rabbit_delay._durations import parse_positive_ms
 from rabbit_delay._errors import ConfigError
 from rabbit_delay._ops.dashboard.rules import (
@@ -43,7 +45,6 @@ from rabbit_delay._urls import redact
 log = logging.getLogger("rabbit_delay.dashboard")
 
 
-@app.command()
 def dashboard(
     file: TopologyArg = None,
     topology_file: TopologyOpt = None,

@@ -8,22 +8,23 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from rabbit_delay._cli.app import (
+from rabbit_delay._cli.options import (
     EXIT_ERROR,
     EXIT_OK,
     JsonOpt,
+    MgmtOpt,
+    NoMgmtOpt,
     TopologyArg,
     TopologyOpt,
     UrlOpt,
-    app,
     errors_to_exit,
-    fail,
+    exit_on_failure,
+    management_access,
     out,
     print_json,
     resolve_topology,
     url_for,
 )
-from rabbit_delay._cli.commands import MgmtOpt, NoMgmtOpt, management_access
 from rabbit_delay._ops.delete.rules import DeleteReport, Target
 
 
@@ -69,7 +70,6 @@ def _print(report: DeleteReport) -> None:
         out.print(escape(f"deleted {len(report.deleted)} object(s) of {p.namespace}"))
 
 
-@app.command()
 def delete(
     file: TopologyArg = None,
     topology_file: TopologyOpt = None,
@@ -113,10 +113,7 @@ def delete(
         print_json(report.as_json())
     else:
         _print(report)
-    if report.error is not None:
-        if as_json:
-            raise typer.Exit(EXIT_ERROR)
-        fail(report.error)
+    exit_on_failure(report.error, as_json=as_json)
     raise typer.Exit(EXIT_ERROR if report.plan.refused else EXIT_OK)
 
 

@@ -14,13 +14,12 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from rabbit_delay._cli.app import (
+from rabbit_delay._cli.options import (
     EXIT_ERROR,
     EXIT_OK,
     JsonOpt,
     TopologyOpt,
     UrlOpt,
-    app,
     err,
     errors_to_exit,
     fail,
@@ -37,7 +36,6 @@ parked_app = typer.Typer(
     help="List, show and purge the messages parked for a business queue.",
     no_args_is_help=True,
 )
-app.add_typer(parked_app)
 
 QueueArg = Annotated[
     str,
@@ -164,7 +162,8 @@ def show_command(
 
     Exit code 1 when no message of the lot has this id.
     """
-    from rabbit_delay._ops.parked.execute import parking_lot, show_parked
+    from rabbit_delay._ops.parked.execute import show_parked
+    from rabbit_delay._ops.parked.rules import parking_lot
     from rabbit_delay.sync._connection import close_quietly, connect_first
 
     with errors_to_exit():
@@ -212,7 +211,8 @@ def purge_command(
 ) -> None:
     """Delete every message parked for QUEUE: they cannot be recovered. Asks first
     unless --yes. Exit code 1 when not confirmed (nothing purged)."""
-    from rabbit_delay._ops.parked.execute import parked_count, parking_lot, purge_parked
+    from rabbit_delay._ops.parked.execute import parked_count, purge_parked
+    from rabbit_delay._ops.parked.rules import parking_lot
     from rabbit_delay.sync._connection import close_quietly, connect_first
 
     with errors_to_exit():

@@ -8,25 +8,22 @@ from typing import Annotated
 
 import typer
 
-from rabbit_delay._cli.app import (
+from rabbit_delay._cli.options import (
     EXIT_ERROR,
     EXIT_OK,
-    JsonOpt,
-    UrlOpt,
-    app,
-    errors_to_exit,
-    fail,
-    out,
-    print_json,
-    url_for,
-)
-from rabbit_delay._cli.worker import (
     AppDirOpt,
+    JsonOpt,
     LogLevel,
     LogLevelOpt,
     TargetArg,
+    UrlOpt,
     configure_logging,
+    errors_to_exit,
+    fail,
     load_app,
+    out,
+    print_json,
+    url_for,
 )
 from rabbit_delay._consumer.app import App
 from rabbit_delay._consumer.worker import worker_identity
@@ -38,7 +35,6 @@ NameOpt = Annotated[
 ]
 
 
-@app.command()
 def reconcile(
     target: TargetArg,
     name: NameOpt = None,

@@ -11,18 +11,20 @@ from typing import Annotated
 
 import typer
 
-from rabbit_delay._cli.app import (
+from rabbit_delay._cli.options import (
+    LogLevel,
+    LogLevelOpt,
+    MetricsPortOpt,
     TopologyArg,
     TopologyOpt,
     UrlOpt,
-    app,
+    configure_logging,
     errors_to_exit,
     fail,
     out,
     resolve_topology,
     url_for,
 )
-from rabbit_delay._cli.worker import LogLevel, LogLevelOpt, MetricsPortOpt, configure_logging
 from rabbit_delay._stop_signals import install_stop_signals
 from rabbit_delay._urls import redact
 from rabbit_delay.outbox import DEFAULT_TABLE, Relay, RelayStats
@@ -75,10 +77,9 @@ LeaseOpt = Annotated[
 InstallOpt = Annotated[
     bool, typer.Option("--install", help="Create the outbox table and its indexes if missing.")
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="With --once: print the result as JSON.")]
+OnceJsonOpt = Annotated[bool, typer.Option("--json", help="With --once: print the result as JSON.")]
 
 
-@app.command()
 def relay(
     file: TopologyArg = None,
     topology_file: TopologyOpt = None,
@@ -93,7 +94,7 @@ def relay(
     install: InstallOpt = False,
     metrics_port: MetricsPortOpt = None,
     log_level: LogLevelOpt = LogLevel.INFO,
-    as_json: JsonOpt = False,
+    as_json: OnceJsonOpt = False,
     url: UrlOpt = None,
 ) -> None:
     """Publish the committed rows of an outbox table, confirmed, and mark them sent.

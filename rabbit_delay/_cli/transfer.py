@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 from rich.markup import escape
@@ -19,31 +19,30 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from rabbit_delay._cli.app import (
+from rabbit_delay._cli.options import (
     EXIT_ERROR,
     EXIT_OK,
     JsonOpt,
     TopologyOpt,
     UrlOpt,
-    app,
+    count_cell,
     err,
     errors_to_exit,
-    fail,
+    exit_on_failure,
     out,
     print_json,
     resolve_topology,
     url_for,
 )
 from rabbit_delay._durations import format_ms, iso_ms
+from rabbit_delay._ops.transfer.rules import (
+    DEFAULT_TRANSFER_BATCH,
+    QueueTally,
+    Transfer,
+    TransferReport,
+)
 from rabbit_delay._topology.model import load_topology
 from rabbit_delay._urls import redact
-
-if TYPE_CHECKING:
-    from rabbit_delay._ops.transfer.rules import QueueTally, TransferReport
-
-# The default of `rabbit_delay._ops.transfer.execute.DEFAULT_TRANSFER_BATCH`, not imported: the CLI
-# imports pika only when a command runs.
-_BATCH = 500
 
 ToOpt = Annotated[
     Path | None,
@@ -111,7 +110,7 @@ def _table(report: TransferReport) -> Table:
         table.add_row(
             escape(q.source.name),
             q.source.kind.value,
-            "?" if q.ready is None else str(q.ready),
+            count_cell(q.ready),
             str(q.moved),
             f"[yellow]{left}[/]" if left else "",
             escape(goes or (q.skipped or "")),
@@ -174,7 +173,6 @@ def _print_report(report: TransferReport) -> None:
         out.print("dry run: nothing was changed (every message read was given back)")
 
 
-@app.command("transfer")
 def transfer_command(
     file: TopologyOpt = None,
     to: ToOpt = None,
@@ -204,7 +202,7 @@ def transfer_command(
         typer.Option(
             "--batch", min=1, max=65_535, help="Messages read, published and acked at a time."
         ),
-    ] = _BATCH,
+    ] = DEFAULT_TRANSFER_BATCH,
     as_json: JsonOpt = False,
 ) -> None:
     """Move pending messages to another topology (--to) or broker (--to-url).
@@ -222,7 +220,6 @@ def transfer_command(
     Exit code 0 when everything moved; 1 on an error or when messages were left in place.
     """
     from rabbit_delay._ops.transfer.execute import transfer
-    from rabbit_delay._ops.transfer.rules import Transfer
     from rabbit_delay.sync import Publisher
     from rabbit_delay.sync._connection import close_quietly, connect_first
 
@@ -257,10 +254,7 @@ def transfer_command(
         print_json(report.as_json())
     else:
         _print_report(report)
-    if report.error is not None:
-        if as_json:
-            raise typer.Exit(EXIT_ERROR)
-        fail(report.error)
+    exit_on_failure(report.error, as_json=as_json)
     raise typer.Exit(EXIT_OK if report.complete else EXIT_ERROR)
 
 

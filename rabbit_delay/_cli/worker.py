@@ -1,25 +1,35 @@
-"""worker: run an App's consumers."""
+"""`rabbit-delay worker`: run an App's consumers."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
-import sys
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from rabbit_delay._cli.app import UrlOpt, app, errors_to_exit, fail, url_for
+from rabbit_delay._cli.options import (
+    AppDirOpt,
+    LogFormat,
+    LogLevel,
+    LogLevelOpt,
+    MetricsPortOpt,
+    TargetArg,
+    UrlOpt,
+    configure_logging,
+    errors_to_exit,
+    fail,
+    load_app,
+    url_for,
+)
 from rabbit_delay._connection import DEFAULT_RECONNECT_MAX_S
 from rabbit_delay._consumer.app import App, Transport
 from rabbit_delay._consumer.settings import DEFAULT_SHUTDOWN_TIMEOUT_S, WorkerOptions
 from rabbit_delay._consumer.worker import WorkerCore
 from rabbit_delay._durations import parse_ms
 from rabbit_delay._errors import DurationError
-from rabbit_delay._observe.logs import JsonFormatter, TextFormatter
 
 if TYPE_CHECKING:
     from rabbit_delay.aio._worker import AsyncWorker
@@ -33,71 +43,6 @@ class TransportChoice(StrEnum):
     ASYNC = "async"
 
 
-class LogLevel(StrEnum):
-    DEBUG = "debug"
-    INFO = "info"
-    WARNING = "warning"
-    ERROR = "error"
-
-
-class LogFormat(StrEnum):
-    TEXT = "text"
-    JSON = "json"
-
-
-# The AMQP clients: pika (sync), aio-pika and aiormq under it (async).
-CLIENT_LOGGERS = ("pika", "aio_pika", "aiormq")
-
-
-def configure_logging(level: LogLevel, log_format: LogFormat = LogFormat.TEXT) -> None:
-    """rabbit-delay's loggers at `level`; the AMQP clients' only at debug; records as
-    text lines or JSON objects (rabbit_delay._observe.logs), on stderr, redacted.
-
-    The workers log every connection problem themselves, redacted and once. The clients
-    log the same failure again as a handful of ERROR lines and a traceback (pika's
-    `LOGGER.exception` on a refused login), and pika logs each 404 of a passive declare
-    as a warning: details for --log-level debug, noise otherwise.
-    """
-    handler = logging.StreamHandler()  # stderr
-    handler.setFormatter(JsonFormatter() if log_format is LogFormat.JSON else TextFormatter())
-    logging.basicConfig(level=logging.WARNING, handlers=[handler])
-    logging.getLogger("rabbit_delay").setLevel(level.upper())
-    client_level = logging.INFO if level is LogLevel.DEBUG else logging.CRITICAL
-    for name in CLIENT_LOGGERS:
-        logging.getLogger(name).setLevel(client_level)
-
-
-def load_app(target: str, app_dir: Path) -> App:
-    """Import `MODULE:ATTR` (ATTR may be dotted, or a factory returning an App)."""
-    module_name, sep, attr = target.partition(":")
-    if not sep or not module_name or not attr:
-        fail(f"{target!r}: give the app as MODULE:APP, e.g. myapp.workers:app")
-    sys.path.insert(0, str(app_dir.resolve()))
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        if exc.name == module_name or module_name.startswith(f"{exc.name}."):
-            fail(
-                f"cannot import module {module_name!r} from {app_dir.resolve()} "
-                "(or sys.path): use --app-dir to name its directory"
-            )
-        raise
-    obj: object = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            fail(f"module {module_name!r} has no attribute {attr!r}")
-    if not isinstance(obj, App) and callable(obj):
-        obj = obj()
-    if not isinstance(obj, App):
-        fail(f"{target!r} is a {type(obj).__name__}, not a rabbit_delay._consumer.app.App")
-    return obj
-
-
-TargetArg = Annotated[
-    str, typer.Argument(metavar="MODULE:APP", help="The App, e.g. myapp.workers:app.")
-]
 QueueOpt = Annotated[
     list[str] | None,
     typer.Option("--queue", "-q", help="Consume only this queue (repeatable); default: all."),
@@ -136,19 +81,6 @@ ReconnectMaxOpt = Annotated[
         "(they start at 250ms and double).",
     ),
 ]
-AppDirOpt = Annotated[
-    Path, typer.Option("--app-dir", help="Directory to import MODULE from (default: current).")
-]
-MetricsPortOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--metrics-port",
-        min=0,
-        max=65535,
-        help="Serve Prometheus /metrics, and /healthz and /readyz, on this port.",
-        show_default=False,
-    ),
-]
 HealthPortOpt = Annotated[
     int | None,
     typer.Option(
@@ -168,16 +100,8 @@ LogFormatOpt = Annotated[
         "message_id, queue, attempt, tier for a delivery; exc_info).",
     ),
 ]
-LogLevelOpt = Annotated[
-    LogLevel,
-    typer.Option(
-        "--log-level",
-        help="Level of rabbit-delay's loggers; debug also shows the AMQP client's (pika, aiormq).",
-    ),
-]
 
 
-@app.command()
 def worker(
     target: TargetArg,
     queue: QueueOpt = None,
@@ -282,4 +206,4 @@ async def _run_async(the_app: App, async_worker: AsyncWorker) -> None:
         await the_app.aclose()
 
 
-__all__ = ["LogFormat", "configure_logging", "load_app", "worker"]
+__all__ = ["worker"]

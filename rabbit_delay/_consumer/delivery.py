@@ -144,7 +144,6 @@ class WriteReject:
 # Plain (not frozen) slotted records: a frozen dataclass sets each field through
 # object.__setattr__, a cost paid several times per delivery on the hot path.
 Step = Claim | Run | Finish | Pause | Publish | WriteAck | WriteNack | WriteReject
-SettleStep = Publish | WriteAck | WriteNack | WriteReject
 
 WRITE_ACK = WriteAck()
 WRITE_NACK = WriteNack()

@@ -1,6 +1,6 @@
 """Liveness and readiness of a worker: what `/healthz` and `/readyz` answer. Pure.
 
-Both workers expose the same facts (`WorkerBase.health()`); the rule that turns them
+Both workers expose the same facts (`WorkerCore.health()`); the rule that turns them
 into "alive" and "ready" is written here once:
 
 - **live**: the process runs a worker whose loop is not stuck. The loop beats (the
@@ -36,7 +36,7 @@ class Phase(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Health:
-    """One look at a worker (WorkerBase.health())."""
+    """One look at a worker (WorkerCore.health())."""
 
     phase: Phase
     beat_age_s: float | None  # since the loop's last beat; None before it ran

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
+import platform
 import threading
 import time
 import uuid
@@ -87,7 +87,7 @@ def worker_identity() -> str:
     An owner token is this plus a per-delivery counter: a claim is re-entrant for its
     owner, so two deliveries must never share one.
     """
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    return f"{platform.node()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 class WorkerCore:
@@ -289,10 +289,6 @@ class WorkerCore:
 
     def consumer_tags(self) -> list[str]:
         return list(self._by_tag)
-
-    def cancelled_by_broker(self, tag: str) -> bool:
-        """Whether the broker cancelled consumer `tag`: its deliveries are stale."""
-        return tag in self._cancelled
 
     def consumer_cancelled(self, tag: str, broker: BrokerInfo, stopping: bool) -> Consumer | None:
         """The broker sent basic.cancel for consumer `tag`: its deliveries went back to the

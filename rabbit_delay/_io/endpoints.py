@@ -4,7 +4,7 @@
 prometheus-client's own server serves nothing but metrics, so this is a small WSGI
 app on wsgiref (standard library, one thread per request, daemon threads) that hands
 `/metrics` to prometheus-client's WSGI app and answers the health routes from a
-callable returning `consumer.Health` (`WorkerBase.health`). Health answers are 200
+callable returning `consumer.Health` (`WorkerCore.health`). Health answers are 200
 with a small JSON body, or 503 with the same body when not live / not ready; any
 other path is 404. Requests are not logged (a probe every few seconds would drown the
 worker's log).

@@ -36,7 +36,7 @@ from enum import StrEnum
 from typing import Any
 from urllib.parse import quote
 
-from rabbit_delay._broker import BrokerInfo
+from rabbit_delay._broker import BrokerInfo, QueueCounts
 from rabbit_delay._errors import AccessRefused, ManagementUnavailable, broker_refusal
 from rabbit_delay._plan.diff import ExistingObject, Observed
 from rabbit_delay._tls import TLSOptions, describe_tls_error
@@ -57,7 +57,9 @@ NO_TAG_FIX = (
 )
 
 
-class Refusal(StrEnum):
+class RefusalKind(StrEnum):
+    """How the management API refused a user (`ManagementRefused.refusal`)."""
+
     LOGIN = "login"  # the user name or password is wrong for this API
     NO_TAG = "no tag"  # the user may not use the API at all (no management tag)
 
@@ -65,7 +67,7 @@ class Refusal(StrEnum):
 class ManagementRefused(ManagementUnavailable):
     """The management API refused the user (HTTP 401 / 403); `refusal` says how."""
 
-    def __init__(self, message: str, *, refusal: Refusal, status: int) -> None:
+    def __init__(self, message: str, *, refusal: RefusalKind, status: int) -> None:
         super().__init__(message)
         self.refusal = refusal
         self.status = status
@@ -100,12 +102,12 @@ def _refused(
         return ManagementRefused(
             f"{where}: user {endpoint.username!r} may not use it (HTTP {status}: {reason}); it "
             f"needs the {tag} tag: {NO_TAG_FIX}",
-            refusal=Refusal.NO_TAG,
+            refusal=RefusalKind.NO_TAG,
             status=status,
         )
     return ManagementRefused(
         f"{where} refused the login of user {endpoint.username!r} (HTTP {status}: {reason})",
-        refusal=Refusal.LOGIN,
+        refusal=RefusalKind.LOGIN,
         status=status,
     )
 
@@ -185,10 +187,6 @@ class Access:
     endpoint: ManagementEndpoint | None
     note: str
 
-    @property
-    def usable(self) -> bool:
-        return self.endpoint is not None
-
 
 def checked(endpoints: Sequence[ManagementEndpoint], broker: BrokerInfo) -> Access:
     """The first of `endpoints` that provably serves `broker` (see verify_same_broker),
@@ -204,7 +202,7 @@ def checked(endpoints: Sequence[ManagementEndpoint], broker: BrokerInfo) -> Acce
         try:
             cluster = verify_same_broker(endpoint, broker)
         except ManagementRefused as exc:
-            if exc.refusal is Refusal.LOGIN and endpoint.explicit:
+            if exc.refusal is RefusalKind.LOGIN and endpoint.explicit:
                 raise AccessRefused(
                     f"{exc}: the user name or password is wrong for this API. Give "
                     "credentials it accepts in --management-url (or "
@@ -212,7 +210,7 @@ def checked(endpoints: Sequence[ManagementEndpoint], broker: BrokerInfo) -> Acce
                     "or pass --no-management to use AMQP only",
                     permission="management login",
                 ) from None
-            if exc.refusal is Refusal.LOGIN:
+            if exc.refusal is RefusalKind.LOGIN:
                 # The broker accepted these credentials over AMQP: not its API.
                 reasons.append(
                     f"{exc} with the AMQP URL's credentials, so it is not that broker's API "
@@ -275,30 +273,6 @@ def read_observed(endpoint: ManagementEndpoint, prefix: str) -> Observed:
 # -- operations (rabbit-delay status / replay) ---------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class QueueStats:
-    """Counts as the management API reports them: sampled (every 5 s by default), so they
-    lag behind the broker. None where the API has no figure yet (a queue just declared).
-
-    For a quorum queue the API also names its Raft `leader` node, its `members` (the
-    nodes holding a replica) and those of them `online`, and counts `dead_lettering`:
-    messages it dead-lettered (at-least-once) that the target has not confirmed yet, in
-    neither ready nor unacked. None for other queue types, or when the API does not say.
-    """
-
-    ready: int | None
-    unacked: int | None
-    consumers: int | None
-    leader: str | None = None
-    members: tuple[str, ...] | None = None
-    online: tuple[str, ...] | None = None
-    dead_lettering: int | None = None
-    # The AMQP `timestamp` (seconds) of the message at the head, which a classic queue
-    # reports (`head_message_timestamp`) when that message has one; quorum queues do not
-    # (3.10 to 4.3). None when not told.
-    head_timestamp: int | None = None
-
-
 def _count(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -313,11 +287,13 @@ def _nodes(value: object) -> tuple[str, ...] | None:
     return tuple(sorted(str(node) for node in value if isinstance(node, str)))
 
 
-def queue_stats(row: dict[str, Any]) -> QueueStats:
-    """One row of /api/queues as QueueStats (pure). Placement (leader, members, online)
-    only for a quorum queue: a classic queue's `node` is not a Raft leader."""
+def counts_from_api(row: dict[str, Any]) -> QueueCounts:
+    """One row of /api/queues as QueueCounts (pure): counts as the API samples them (every
+    5 s by default, so they lag behind the broker). Placement (leader, members, online)
+    and dead-lettering only for a quorum queue: a classic queue's `node` is not a Raft
+    leader."""
     quorum = row.get("type") == "quorum"
-    return QueueStats(
+    return QueueCounts(
         _count(row.get("messages_ready")),
         _count(row.get("messages_unacknowledged")),
         _count(row.get("consumers")),
@@ -329,9 +305,9 @@ def queue_stats(row: dict[str, Any]) -> QueueStats:
     )
 
 
-def read_queue_stats(endpoint: ManagementEndpoint, prefix: str) -> dict[str, QueueStats]:
+def read_queue_counts(endpoint: ManagementEndpoint, prefix: str) -> dict[str, QueueCounts]:
     """Message and consumer counts of every queue whose name starts with `prefix`, and
-    where each quorum queue's replicas are (`queue_stats`).
+    where each quorum queue's replicas are (`counts_from_api`).
 
     Raises ManagementUnavailable when the API cannot be used.
     """
@@ -343,7 +319,7 @@ def read_queue_stats(endpoint: ManagementEndpoint, prefix: str) -> dict[str, Que
     if not isinstance(queues, list):
         raise ManagementUnavailable(f"{endpoint.base}: unexpected answer")
     return {
-        q["name"]: queue_stats(q)
+        q["name"]: counts_from_api(q)
         for q in queues
         if isinstance(q, dict) and str(q.get("name", "")).startswith(prefix)
     }
@@ -388,28 +364,6 @@ def read_broker_version(endpoint: ManagementEndpoint) -> str | None:
     overview = get_json(endpoint, "overview")
     version = overview.get("rabbitmq_version") if isinstance(overview, dict) else None
     return version if isinstance(version, str) and version else None
-
-
-def peek_messages(endpoint: ManagementEndpoint, queue: str, count: int) -> list[dict[str, Any]]:
-    """Up to `count` messages from the head of `queue`, put back at once (the API's
-    `ackmode=ack_requeue_true`); payloads truncated to 1 KiB.
-
-    Not used by rabbit-delay to peek: on a quorum queue it puts more than 32 messages
-    back out of order, and any number behind messages requeued before
-    (`sync.replay.REQUEUE_BATCH`); `sync.replay.peek` keeps the order.
-
-    Each get-and-requeue is a redelivery for the broker: on RabbitMQ 4.0-4.2 it counts
-    towards a quorum queue's delivery limit. Raises ManagementUnavailable, or
-    AccessRefused when the user lacks `read` permission on the queue.
-    """
-    body = {"count": count, "ackmode": "ack_requeue_true", "encoding": "auto", "truncate": 1024}
-    path = f"queues/{endpoint.vhost_quoted}/{quote(queue, safe='')}/get"
-    messages = get_json(
-        endpoint, path, body, doing=f"peeking into queue {queue!r}", permission="read"
-    )
-    if not isinstance(messages, list):
-        raise ManagementUnavailable(f"{endpoint.base}: unexpected answer")
-    return messages
 
 
 def observe(access: Access, topology: Topology) -> tuple[Observed | None, str]:

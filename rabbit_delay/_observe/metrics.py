@@ -32,10 +32,8 @@ registry without bound.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from enum import StrEnum
-from time import perf_counter
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
@@ -65,6 +63,19 @@ DEVIATION_BUCKETS = (0.001, 0.01, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60, 300, 3600)
 # The `tier` label of a delivery without rd-tier, and of an rd-tier outside the topology.
 NO_TIER = "none"
 OTHER_TIER = "other"
+
+
+def late_s(due_at_ms: int, received_ms: int) -> float:
+    """How late a delivery is, seconds: receipt minus rd-due-at. An early one (clock skew
+    between publisher and worker) counts as 0: a negative observation would make the
+    histogram's sum go down."""
+    return max(received_ms - due_at_ms, 0) / 1000
+
+
+def deviation_s(due_at_ms: int, asked_due_at_ms: int) -> float:
+    """How much later than asked a message was scheduled, seconds (rd-due-at minus
+    rd-asked-due-at: the cascade's rounding up); never negative."""
+    return max(due_at_ms - asked_due_at_ms, 0) / 1000
 
 
 def tier_label(value: object, known: frozenset[str] | set[str]) -> str:
@@ -214,42 +225,6 @@ class Metrics:
 
     # -- workers ---------------------------------------------------------------------------
 
-    def handler_time(self, queue: str, seconds: float) -> None:
-        self.handler_seconds.labels(queue=queue).observe(seconds)
-
-    @contextmanager
-    def time_handler(self, queue: str) -> Iterator[None]:
-        """Observe the duration of the `with` block, also when it raises."""
-        start = perf_counter()
-        try:
-            yield
-        finally:
-            self.handler_seconds.labels(queue=queue).observe(perf_counter() - start)
-
-    def lateness(
-        self, queue: str, due_at_ms: int | None, received_ms: int, tier: str = NO_TIER
-    ) -> None:
-        """Record how late a delivery is; nothing for a message without `rd-due-at`.
-
-        Early deliveries (clock skew between publisher and worker) count as 0: a negative
-        observation would make the histogram's sum go down. `tier` is a label value
-        (`tier_label`), never a raw header.
-        """
-        if due_at_ms is None:
-            return
-        late_s = max(received_ms - due_at_ms, 0) / 1000
-        self.delivery_lateness_seconds.labels(queue=queue, tier=tier).observe(late_s)
-
-    def schedule_deviation(
-        self, queue: str, due_at_ms: int | None, asked_due_at_ms: int | None, tier: str = NO_TIER
-    ) -> None:
-        """Record how much later than asked a message was scheduled (rd-due-at minus
-        rd-asked-due-at); nothing when either is missing. Never negative."""
-        if due_at_ms is None or asked_due_at_ms is None:
-            return
-        deviation_s = max(due_at_ms - asked_due_at_ms, 0) / 1000
-        self.schedule_deviation_seconds.labels(queue=queue, tier=tier).observe(deviation_s)
-
     # -- reconcilers -----------------------------------------------------------------------
 
     def reconciled(self, name: str, ok: bool, resubmitted: int) -> None:
@@ -292,6 +267,8 @@ __all__ = [
     "Metrics",
     "PublishErrorReason",
     "default_metrics",
+    "deviation_s",
     "error_reason",
+    "late_s",
     "tier_label",
 ]

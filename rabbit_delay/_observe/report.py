@@ -29,7 +29,7 @@ from rabbit_delay._durations import format_ms
 from rabbit_delay._envelope import text_header
 from rabbit_delay._headers import H_ASKED_DUE_AT, H_DELAY_MS, H_DUE_AT, H_TIER
 from rabbit_delay._observe.logs import delivery_fields
-from rabbit_delay._observe.metrics import Metrics, tier_label
+from rabbit_delay._observe.metrics import Metrics, deviation_s, late_s, tier_label
 from rabbit_delay._topology.delays import CASCADE, IMMEDIATE, PLUGIN
 from rabbit_delay._urls import redact
 
@@ -124,10 +124,10 @@ class WorkerMetrics:
                 m.schedule_deviation_seconds.labels(queue=queue, tier=tier),
             )
         late, deviation = children
-        late.observe(max(received_ms - due, 0) / 1000)
+        late.observe(late_s(due, received_ms))
         asked = headers.get(H_ASKED_DUE_AT)
         if isinstance(asked, int) and not isinstance(asked, bool):
-            deviation.observe(max(due - asked, 0) / 1000)
+            deviation.observe(deviation_s(due, asked))
 
 
 def log_action(

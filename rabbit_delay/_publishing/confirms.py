@@ -95,7 +95,6 @@ class Ledger:
         self.in_flight = 0  # SENT
         self.settled = 0  # CONFIRMED, RETURNED or NACKED
         self.confirmed = 0
-        self.resent = 0  # messages sent again after a lost channel
         self.trace: object | None = None  # the call's publish span (rabbit_delay._observe.tracing)
 
     def __len__(self) -> int:
@@ -105,10 +104,6 @@ class Ledger:
     def done(self) -> bool:
         """Every message has its outcome (confirmed, returned or nacked)."""
         return self.settled == len(self.outs)
-
-    @property
-    def all_sent(self) -> bool:
-        return self._cursor >= len(self.outs)
 
     def take(self) -> int | None:
         """The index of the next message to send (in call order), or None."""
@@ -180,7 +175,6 @@ class Ledger:
                 first = index
         self._tags.clear()
         self.in_flight = 0
-        self.resent += lost
         self._cursor = len(self.states) if first is None else first
         return lost
 

@@ -680,16 +680,6 @@ class AsyncSQLiteStore:
         self._schedule(loop)
         return await future
 
-    async def _submit_many(self, ops: Sequence[Callable[[], Any]]) -> list[Any]:
-        """Queue `ops` together (so they share a batch); each outcome or exception."""
-        if not ops:
-            return []
-        loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in ops]
-        self._pending.extend(zip(ops, futures, strict=True))
-        self._schedule(loop)
-        return list(await asyncio.gather(*futures, return_exceptions=True))
-
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
         if not self._scheduled:
             # At the end of this turn: every op issued before then joins the batch.

@@ -81,7 +81,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rabbit_delay.worker")
 
-# A URL for WorkerBase, never connected to: the worker consumes from a MemoryBroker.
+# A URL for WorkerCore, never connected to: the worker consumes from a MemoryBroker.
 MEMORY_URL = "amqp://rabbit-delay-testing/"
 # How much virtual time a stop may take beyond shutdown_timeout (handlers that go on).
 STOP_LIMIT_S = 86_400.0

@@ -19,7 +19,7 @@ from typer.testing import CliRunner, Result
 
 from rabbit_delay import Topology, aio
 from rabbit_delay._broker import BrokerInfo
-from rabbit_delay._cli.app import app, load_commands
+from rabbit_delay._cli.app import app
 from rabbit_delay._io.management import checked
 from rabbit_delay._plan.desired import desired
 from rabbit_delay._plan.program import Operation, RoutesEveryKey
@@ -32,8 +32,6 @@ from ._publishers import broker_state, toml_for
 from ._scratch_node import ScratchNode, scratch_kind, started_node
 
 pytestmark = pytest.mark.integration
-
-load_commands()
 
 
 def cli(*args: str) -> Result:

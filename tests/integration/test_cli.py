@@ -22,7 +22,7 @@ from conftest import message_count, wait_for
 from typer.testing import CliRunner, Result
 
 from rabbit_delay import Topology
-from rabbit_delay._cli.app import app, load_commands
+from rabbit_delay._cli.app import app
 from rabbit_delay._durations import iso_ms
 from rabbit_delay._urls import MANAGEMENT_URL_ENV, URL_ENV, ManagementEndpoint
 
@@ -39,8 +39,6 @@ SCRIPT = (
 )
 UNREACHABLE_MGMT = "http://127.0.0.1:1"
 BAD_URL = "amqp://user:s3cret@127.0.0.1:1/"
-
-load_commands()
 
 
 @pytest.fixture(autouse=True)

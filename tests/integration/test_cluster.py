@@ -56,9 +56,9 @@ from rabbit_delay import (
     Topology,
     topology_from_dict,
 )
+from rabbit_delay._broker import QueueCounts
 from rabbit_delay._cli.app import app as cli_app
-from rabbit_delay._cli.app import load_commands
-from rabbit_delay._io.management import QueueStats, get_json, read_queue_stats
+from rabbit_delay._io.management import get_json, read_queue_counts
 from rabbit_delay._urls import MANAGEMENT_URL_ENV, URL_ENV, management_endpoint
 from rabbit_delay.aio import AsyncPublisher
 from rabbit_delay.sync import Publisher, connect, declare
@@ -74,7 +74,6 @@ from .workers.harness import RunningWorker
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster, pytest.mark.xdist_group("cluster")]
 
-load_commands()
 
 TIER = "3s"
 QUEUE = "cluster.orders"
@@ -125,11 +124,11 @@ def sharded_topology() -> tuple[Topology, str]:
     return topology, toml
 
 
-def placement(cluster: ScratchCluster, topology: Topology) -> dict[str, QueueStats]:
+def placement(cluster: ScratchCluster, topology: Topology) -> dict[str, QueueCounts]:
     """Each queue of the topology as the management API of a running member sees it."""
     for node in cluster.members:
         try:
-            return read_queue_stats(management_endpoint(node.url), topology.names.prefix + ".")
+            return read_queue_counts(management_endpoint(node.url), topology.names.prefix + ".")
         except ManagementUnavailable:
             continue
     pytest.fail("no member of the cluster answers on its management API")

@@ -111,9 +111,11 @@ def test_the_page_shows_the_topology_and_replays_a_message(
     registry = CollectorRegistry()
     metrics = Metrics(registry)
     for late_ms in (12, 30, 40, 80, 120, 180, 260, 420, 700, 1300, 90, 60, 45):
-        metrics.lateness("push", 0, late_ms, tier="1m")
+        metrics.delivery_lateness_seconds.labels(queue="push", tier="1m").observe(late_ms / 1000)
     for late_ms in (20, 70, 150, 2600):
-        metrics.lateness("orders.cancel", 0, late_ms, tier="10m")
+        metrics.delivery_lateness_seconds.labels(queue="orders.cancel", tier="10m").observe(
+            late_ms / 1000
+        )
     metrics_server, _ = serve_metrics(0, addr="127.0.0.1", registry=registry)
     metrics_url = f"http://127.0.0.1:{metrics_server.server_port}/metrics"
     run = dashboard(topology, allow_actions=True, refresh_s=1.0, metrics_urls=[metrics_url])

@@ -24,8 +24,8 @@ from typer.testing import CliRunner, Result
 from rabbit_delay import Topology, topology_from_dict
 from rabbit_delay import _headers as h
 from rabbit_delay._broker import BrokerInfo
-from rabbit_delay._cli.app import app, load_commands
-from rabbit_delay._cli.ops import EXIT_ATTENTION
+from rabbit_delay._cli.app import app
+from rabbit_delay._cli.status import EXIT_ATTENTION
 from rabbit_delay._envelope import JSON
 from rabbit_delay._urls import MANAGEMENT_URL_ENV, URL_ENV, ManagementEndpoint
 from rabbit_delay.sync import Publisher, connected, declare
@@ -37,8 +37,6 @@ pytestmark = pytest.mark.integration
 
 UNREACHABLE_MGMT = "http://127.0.0.1:1"
 SECRET = "s3cret-pw"
-
-load_commands()
 
 
 @pytest.fixture(autouse=True)

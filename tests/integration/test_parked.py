@@ -2,7 +2,7 @@
 
 The claim under test: looking at a parking lot loses and reorders nothing. A quorum
 queue puts back more than 32 messages of one requeue out of order (measured on 3.10.8
-and 4.3.6, see `sync.replay.REQUEUE_BATCH`), so the lots here hold 300.
+and 4.3.6, see `rabbit_delay._ops.queues.REQUEUE_BATCH`), so the lots here hold 300.
 """
 
 from __future__ import annotations

@@ -34,8 +34,7 @@ from typer.testing import CliRunner
 from rabbit_delay import AccessRefused, App, HandlerContext, ManagementUnavailable, Topology, aio
 from rabbit_delay._broker import BrokerInfo
 from rabbit_delay._cli.app import app as cli_app
-from rabbit_delay._cli.app import load_commands
-from rabbit_delay._io.management import checked, peek_messages
+from rabbit_delay._io.management import checked, get_json
 from rabbit_delay._plan.permissions import Permissions, Role, permissions
 from rabbit_delay._urls import ManagementEndpoint, management_endpoints, vhost_of
 from rabbit_delay.stores import MemoryStore
@@ -146,7 +145,6 @@ def _toml(topology: Topology, tmp_path: Path) -> Path:
 def test_declarer_declares_and_publisher_publishes_with_exactly_their_permissions(
     topology: Topology, grant: Grant, broker_url: str, tmp_path: Path
 ) -> None:
-    load_commands()
     runner = CliRunner()
     path = _toml(topology, tmp_path)
     # the permissions as `rabbit-delay permissions` prints them
@@ -293,7 +291,6 @@ def test_a_wrong_password_is_an_error_at_a_named_management_url(
     assert access.endpoint is None
     assert "refused the login" in access.note, access.note
 
-    load_commands()
     path = tmp_path / "t.toml"
     path.write_text('namespace = "nothing"\n[tiers]\n1s = "1s"\n[queues.q]\n')
     result = CliRunner().invoke(
@@ -314,8 +311,14 @@ def test_peeking_without_read_permission_names_it(
     user = grant(_role(topology, Role.PUBLISHER), tags="monitoring")
     endpoint = management_endpoints(user.url, management.base)[0]
     parking = topology.names.parking_queue(QUEUE)
-    with pytest.raises(AccessRefused) as caught:
-        peek_messages(endpoint, parking, 1)
+    with pytest.raises(AccessRefused) as caught:  # the API's get: a read of the queue
+        get_json(
+            endpoint,
+            f"queues/{endpoint.vhost_quoted}/{quote(parking, safe='')}/get",
+            {"count": 1, "ackmode": "ack_requeue_true", "encoding": "auto"},
+            doing=f"peeking into queue {parking!r}",
+            permission="read",
+        )
     assert caught.value.permission == "read"
     assert parking in str(caught.value)
     assert not isinstance(caught.value, ManagementUnavailable)  # not a reason to fall back
@@ -355,7 +358,6 @@ def test_status_as_a_user_that_may_not_read_the_buffers(
     path.write_text(
         f'namespace = "{topology.namespace}"\n[tiers]\n30s = "30s"\n[queues."{QUEUE}"]\n'
     )
-    load_commands()
     result = CliRunner().invoke(cli_app, ["status", str(path), "--url", user.url, "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)

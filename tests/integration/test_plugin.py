@@ -283,9 +283,8 @@ def test_cli_plan_without_the_plugin_exits_1_with_the_hint(
 ) -> None:
     from typer.testing import CliRunner
 
-    from rabbit_delay._cli.app import app, load_commands
+    from rabbit_delay._cli.app import app
 
-    load_commands()
     topology = make_topology(**plugin_data())
     file = tmp_path / "plugin.toml"
     file.write_text(

@@ -34,7 +34,6 @@ from rabbit_delay import (
     Topology,
 )
 from rabbit_delay._cli.app import app as cli_app
-from rabbit_delay._cli.app import load_commands
 from rabbit_delay._envelope import now_ms
 from rabbit_delay.sync import Publisher, connect, declare
 
@@ -298,7 +297,6 @@ def test_the_reconcile_command_runs_them_once_now(
     orders.write_text(json.dumps([7, 8]), "utf-8")
     monkeypatch.setenv("RD_TEST_TOPOLOGY", str(topology_file))
     monkeypatch.setenv("RD_TEST_ORDERS", str(orders))
-    load_commands()
 
     def reconcile(*args: str) -> Any:
         # a module of its own each time: a process of its own, as from cron

@@ -24,7 +24,7 @@ from rabbit_delay import _headers as h
 from rabbit_delay._io.management import read_observed
 from rabbit_delay._ops.replay.execute import replay_parked
 from rabbit_delay._ops.status.execute import read_status
-from rabbit_delay._ops.status.rules import Role
+from rabbit_delay._ops.status.rules import QueueRole
 from rabbit_delay._plan.desired import Kind
 from rabbit_delay._plan.diff import Change
 from rabbit_delay._topology.delays import shard_index
@@ -233,9 +233,9 @@ def test_retries_replays_and_status_go_through_the_shard_of_each_id(
 
     # `status`: every shard is a tier buffer of the topology, each one read.
     status = read_status(topology, [broker_url], no_management=True)
-    buffers = [r.name for r in status.rows if r.role is Role.BUFFER]
+    buffers = [r.name for r in status.rows if r.role is QueueRole.BUFFER]
     assert buffers == list(shards)
-    assert all(r.exists for r in status.rows if r.role is Role.BUFFER)
+    assert all(r.exists for r in status.rows if r.role is QueueRole.BUFFER)
 
     # `replay --tier 1s`: every parked message back through the shard of its id.
     business = topology.names.business_queue(queue)

@@ -46,8 +46,7 @@ from rabbit_delay import (
     topology_from_dict,
 )
 from rabbit_delay._cli.app import app as cli_app
-from rabbit_delay._cli.app import load_commands
-from rabbit_delay._io.management import checked, read_queue_stats
+from rabbit_delay._io.management import checked, read_queue_counts
 from rabbit_delay._urls import management_endpoints
 from rabbit_delay.stores import MemoryStore
 from rabbit_delay.sync import Publisher, broker_info, connect, connected, declare
@@ -285,7 +284,6 @@ def test_a_certificate_that_fails_verification_is_refused_with_a_clear_error(
 
 
 def test_the_cli_reports_a_refused_certificate_in_one_line(tls: TLSNode, tmp_path: Path) -> None:
-    load_commands()
     path = tmp_path / "t.toml"
     path.write_text(f'namespace = "{unique_namespace()}"\n[tiers]\n1s = "1s"\n[queues.q]\n')
     result = CliRunner().invoke(
@@ -377,7 +375,7 @@ def test_the_management_api_over_https_uses_the_ca_and_client_certificate_of_the
     assert endpoints[0].base == f"https://127.0.0.1:{tls.https_port}"
     access = checked(endpoints, info)
     assert access.endpoint is not None, access.note
-    assert read_queue_stats(access.endpoint, "nothing-here.") == {}
+    assert read_queue_counts(access.endpoint, "nothing-here.") == {}
 
     # The management listener requires a client certificate: without one, the API is
     # not used, and the note says why (passive declares instead, never unverified).
@@ -392,7 +390,6 @@ def test_the_management_api_over_https_uses_the_ca_and_client_certificate_of_the
 
 
 def test_plan_and_status_read_the_management_api_over_https(tls: TLSNode, tmp_path: Path) -> None:
-    load_commands()
     namespace = unique_namespace()
     path = tmp_path / "t.toml"
     path.write_text(f'namespace = "{namespace}"\n[tiers]\n1s = "1s"\n[queues.q]\n')

@@ -36,7 +36,7 @@ from typer.testing import CliRunner, Result
 from rabbit_delay import Topology, topology_from_dict
 from rabbit_delay import _headers as h
 from rabbit_delay._broker import BrokerInfo
-from rabbit_delay._cli.app import app, load_commands
+from rabbit_delay._cli.app import app
 from rabbit_delay._envelope import Outgoing
 from rabbit_delay._ops.transfer.execute import transfer
 from rabbit_delay._ops.transfer.rules import SourceKind, Transfer
@@ -66,8 +66,6 @@ BROKER_SLACK_MS = 25_000
 # Tiers that are not the source's: a message waits the shortest not shorter than what it
 # has left, up to 2 s late.
 TARGET_TIERS = {f"{s}s": f"{s}s" for s in (1, *range(2, 21, 2))}
-
-load_commands()
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -24,12 +24,11 @@ from typer.testing import CliRunner, Result
 
 import rabbit_delay
 from rabbit_delay import DelayError, DurationError, topology_from_dict
-from rabbit_delay._cli.app import app, load_commands, wants_json
+from rabbit_delay._cli.app import app
+from rabbit_delay._cli.options import wants_json
 from rabbit_delay._durations import format_ms, iso, iso_ms, parse_ms
 from rabbit_delay._publishing.core import PublisherCore
 from rabbit_delay._urls import URL_ENV
-
-load_commands()
 
 SECRET = "s3cret-pw"
 # Each command that takes a topology, with what it needs besides (never a broker: the

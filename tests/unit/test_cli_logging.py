@@ -20,8 +20,8 @@ from pika.adapters.utils.connection_workflow import (
 )
 
 from rabbit_delay import BrokerUnavailable
+from rabbit_delay._cli.options import CLIENT_LOGGERS, LogLevel, configure_logging
 from rabbit_delay._cli.unreachable import Cause, cause_of, describe_unavailable
-from rabbit_delay._cli.worker import CLIENT_LOGGERS, LogLevel, configure_logging
 from rabbit_delay._urls import redact
 
 URL = "amqp://app:s3cret@rabbit.example:5999/orders"

@@ -28,7 +28,7 @@ from rabbit_delay._ops.dashboard.rules import (
     snapshot_json,
     start_message,
 )
-from rabbit_delay._ops.status.rules import PluginStore, Role, Status, status_rows
+from rabbit_delay._ops.status.rules import PluginStore, QueueRole, Status, status_rows
 from rabbit_delay._plan.desired import desired
 from rabbit_delay.metrics import Metrics
 
@@ -156,7 +156,9 @@ def worker_text(observations: dict[tuple[str, str], list[float]]) -> str:
     metrics = Metrics(registry)
     for (queue, tier), values in observations.items():
         for late in values:
-            metrics.lateness(queue, 0, int(late * 1000), tier=tier)
+            metrics.delivery_lateness_seconds.labels(queue=queue, tier=tier).observe(
+                int(late * 1000) / 1000
+            )
     metrics.handled_total.labels(queue="push", outcome="acked").inc()  # other families: ignored
     return generate_latest(registry).decode()
 
@@ -270,7 +272,7 @@ def test_the_picture_shows_the_cascade_and_the_plugin() -> None:
     )
     status = a_status(t)
     roles = {node.role for node in picture(status, t.names).nodes}
-    assert Role.CASCADE.value in roles
+    assert QueueRole.CASCADE.value in roles
     status.plugin = PluginStore("pic.v1.delayed", 12)
     plugin = picture(status, t.names).node("plugin")
     assert (plugin.ready, plugin.column) == (12, 1)

@@ -1,5 +1,5 @@
-"""The dashboard's HTTP layer (rabbit_delay.dashboard) on a fake backend: routes, the
-security headers, who may act, auth, and that no page loads anything from elsewhere or
+"""The dashboard's HTTP layer (rabbit_delay._ops.dashboard.server) on a fake backend:
+routes, the security headers, who may act, auth, and that no page loads anything from elsewhere or
 shows a secret. The same app against a real broker: tests/integration/test_dashboard.py."""
 
 from __future__ import annotations
@@ -18,17 +18,15 @@ import pytest
 from typer.testing import CliRunner
 
 from rabbit_delay import BrokerUnavailable, MissingObjectError, Topology
-from rabbit_delay._cli.app import app, load_commands
+from rabbit_delay._cli.app import app
 from rabbit_delay._ops.dashboard.rules import TOKEN_HEADER, Auth
 from rabbit_delay._ops.dashboard.server import CSP, Dashboard
 from rabbit_delay._ops.parked.rules import ParkedDetail, ParkedPage, find, page
-from rabbit_delay._ops.replay.execute import Moved, ReplayReport
-from rabbit_delay._ops.replay.rules import Stored
+from rabbit_delay._ops.replay.rules import Moved, ReplayReport
 from rabbit_delay._ops.status.rules import Status
+from rabbit_delay._ops.stored import Stored
 
 from .test_dashboard import Counts, a_status, a_topology
-
-load_commands()
 
 SECRET = "s3cret-pw"
 TOKEN_SECRET = "t0ken-s3cret"

@@ -680,12 +680,19 @@ def test_claim_result_values_are_stable() -> None:
 
 async def test_guards_from_config(tmp_path: Path) -> None:
     cfg = IdempotencyConfig(path=str(tmp_path / "x.sqlite3"), lease="30s", retention="1d")
-    guard = Guard.from_config(cfg, clock=FakeClock())
+    guard = Guard(
+        store_from_config(cfg), lease_ms=cfg.lease, retention_ms=cfg.retention, clock=FakeClock()
+    )
     assert (guard.lease_ms, guard.retention_ms) == (30_000, 86_400_000)
     assert isinstance(guard.store, SQLiteStore)
     assert guard.claim("k", "a") is CLAIMED
     guard.store.close()
-    async_guard = AsyncGuard.from_config(cfg, clock=FakeClock())
+    async_guard = AsyncGuard(
+        async_store_from_config(cfg),
+        lease_ms=cfg.lease,
+        retention_ms=cfg.retention,
+        clock=FakeClock(),
+    )
     assert isinstance(async_guard.store, AsyncSQLiteStore)
     assert await async_guard.claim("k", "b") is IN_PROGRESS  # same file, a's claim
     await async_guard.store.close()

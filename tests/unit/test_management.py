@@ -11,7 +11,7 @@ from email.message import Message
 import pytest
 
 from rabbit_delay import AccessRefused, ManagementUnavailable
-from rabbit_delay._io.management import ManagementRefused, Refusal, _reason, _refused
+from rabbit_delay._io.management import ManagementRefused, RefusalKind, _reason, _refused
 from rabbit_delay._urls import ManagementEndpoint
 
 ENDPOINT = ManagementEndpoint("http://127.0.0.1:15672", "worker", "s3cret", "/")
@@ -38,13 +38,13 @@ def test_a_user_without_the_management_tag_is_told_how_to_fix_it() -> None:
     error = _classify(401, "Not management user")
     assert isinstance(error, ManagementRefused)
     assert isinstance(error, ManagementUnavailable)  # callers fall back to AMQP
-    assert error.refusal is Refusal.NO_TAG
+    assert error.refusal is RefusalKind.NO_TAG
     assert "monitoring" in str(error)
     assert "--no-management" in str(error)
     assert "s3cret" not in str(error)
     forbidden = _classify(403, "Forbidden")
     assert isinstance(forbidden, ManagementRefused)
-    assert forbidden.refusal is Refusal.NO_TAG
+    assert forbidden.refusal is RefusalKind.NO_TAG
 
 
 @pytest.mark.parametrize(
@@ -53,7 +53,7 @@ def test_a_user_without_the_management_tag_is_told_how_to_fix_it() -> None:
 def test_any_other_401_is_a_refused_login(reason: str) -> None:
     error = _classify(401, reason)
     assert isinstance(error, ManagementRefused)
-    assert error.refusal is Refusal.LOGIN
+    assert error.refusal is RefusalKind.LOGIN
     assert "refused the login of user 'worker'" in str(error)
     assert reason in str(error)
 

@@ -22,7 +22,9 @@ from rabbit_delay._observe.metrics import (
     NO_TIER,
     OTHER_TIER,
     PublishErrorReason,
+    deviation_s,
     error_reason,
+    late_s,
     tier_label,
 )
 from rabbit_delay.metrics import Metrics, default_metrics, start_metrics_server
@@ -81,44 +83,39 @@ def test_handled_by_outcome(metrics: Metrics) -> None:
         assert got == expected, outcome
 
 
-def test_handler_time_and_timer(metrics: Metrics) -> None:
-    metrics.handler_time("push", 0.2)
-    with metrics.time_handler("push"):
-        pass
-    with pytest.raises(KeyError), metrics.time_handler("push"):
-        raise KeyError("the handler failed")
-    assert sample(metrics, "rabbit_delay_handler_seconds_count", queue="push") == 3
-    total = sample(metrics, "rabbit_delay_handler_seconds_sum", queue="push")
-    assert total is not None
-    assert total >= 0.2
-    assert sample(metrics, "rabbit_delay_handler_seconds_bucket", queue="push", le="0.25") == 3
-
-
 def test_lateness(metrics: Metrics) -> None:
-    metrics.lateness("push", None, 5_000)  # no rd-due-at: nothing recorded
+    from rabbit_delay._observe.report import WorkerMetrics
+
+    worker = WorkerMetrics(metrics, ["push"], tiers=["1s"])
+    worker.delivered("push", {h.H_TIER: "1s"}, 5_000)  # no rd-due-at: nothing recorded
     name = "rabbit_delay_delivery_lateness_seconds"
-    assert sample(metrics, f"{name}_count", queue="push", tier="none") is None
-    metrics.lateness("push", 1_000, 1_300, "1s")  # 0.3 s late
-    metrics.lateness("push", 2_000, 1_000, "1s")  # early (clock skew): counted as 0
-    metrics.lateness("push", 1_000, 3_000, "cascade")
+    assert sample(metrics, f"{name}_count", queue="push", tier="1s") is None
+    worker.delivered("push", {h.H_DUE_AT: 1_000, h.H_TIER: "1s"}, 1_300)  # 0.3 s late
+    worker.delivered("push", {h.H_DUE_AT: 2_000, h.H_TIER: "1s"}, 1_000)  # early: 0
+    worker.delivered("push", {h.H_DUE_AT: 1_000, h.H_TIER: "cascade"}, 3_000)
     assert sample(metrics, f"{name}_count", queue="push", tier="1s") == 2
     assert sample(metrics, f"{name}_sum", queue="push", tier="1s") == pytest.approx(0.3)
     assert sample(metrics, f"{name}_bucket", queue="push", tier="1s", le="0.05") == 1
     assert sample(metrics, f"{name}_bucket", queue="push", tier="1s", le="0.5") == 2
     assert sample(metrics, f"{name}_sum", queue="push", tier="cascade") == pytest.approx(2.0)
+    assert late_s(2_000, 1_000) == 0.0  # the one rule (clock skew is no negative lateness)
 
 
 def test_schedule_deviation(metrics: Metrics) -> None:
+    from rabbit_delay._observe.report import WorkerMetrics
+
+    worker = WorkerMetrics(metrics, ["push"], tiers=["5s"])
     name = "rabbit_delay_schedule_deviation_seconds"
-    metrics.schedule_deviation("push", 62_000, None, "cascade")  # no rd-asked-due-at
-    metrics.schedule_deviation("push", None, 61_500, "cascade")
-    assert sample(metrics, f"{name}_count", queue="push", tier="cascade") is None
-    metrics.schedule_deviation("push", 62_000, 61_500, "cascade")  # rounded up by 0.5 s
-    metrics.schedule_deviation("push", 5_000, 5_000, "5s")  # a tier: exact
+    worker.delivered("push", {h.H_DUE_AT: 62_000, h.H_TIER: "cascade"}, 62_000)  # no asked
+    assert not sample(metrics, f"{name}_count", queue="push", tier="cascade")
+    cascade = {h.H_DUE_AT: 62_000, h.H_ASKED_DUE_AT: 61_500, h.H_TIER: "cascade"}
+    worker.delivered("push", cascade, 62_000)  # rounded up by 0.5 s
+    worker.delivered("push", {h.H_DUE_AT: 5_000, h.H_ASKED_DUE_AT: 5_000, h.H_TIER: "5s"}, 5_000)
     assert sample(metrics, f"{name}_sum", queue="push", tier="cascade") == pytest.approx(0.5)
     assert sample(metrics, f"{name}_bucket", queue="push", tier="cascade", le="0.1") == 0
     assert sample(metrics, f"{name}_bucket", queue="push", tier="cascade", le="0.5") == 1
     assert sample(metrics, f"{name}_bucket", queue="push", tier="5s", le="0.001") == 1
+    assert deviation_s(5_000, 6_000) == 0.0  # never negative
 
 
 def test_tier_label_is_a_closed_set() -> None:

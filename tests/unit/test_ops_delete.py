@@ -4,11 +4,11 @@ in which order, what blocks it, and that nothing of another namespace or version
 from __future__ import annotations
 
 from rabbit_delay import Topology, topology_from_dict
+from rabbit_delay._broker import QueueCounts
 from rabbit_delay._ops.delete.rules import (
     Blocker,
     DeleteReport,
     Found,
-    QueueState,
     Target,
     blocks,
     decide,
@@ -30,8 +30,10 @@ def topology(version: int = 1, **extra: object) -> Topology:
     return topology_from_dict(data)
 
 
-def everything(want: Desired, **states: QueueState | None) -> Found:
-    queues: dict[str, QueueState | None] = {q.name: QueueState(0, 0) for q in want.queues}
+def everything(want: Desired, **states: QueueCounts | None) -> Found:
+    queues: dict[str, QueueCounts | None] = {
+        q.name: QueueCounts(ready=0, consumers=0) for q in want.queues
+    }
     queues.update(states)
     return Found(queues, {e.name: True for e in want.exchanges})
 
@@ -107,7 +109,11 @@ def test_a_queue_holding_messages_or_used_blocks_everything() -> None:
     lot, business, buffer = n.parking_queue("orders"), n.business_queue("push"), n.tier_queue("3s")
     found = everything(
         want,
-        **{lot: QueueState(3, 0), business: QueueState(0, 2), buffer: QueueState(0, 0, 4, 1)},
+        **{
+            lot: QueueCounts(ready=3, consumers=0),
+            business: QueueCounts(ready=0, consumers=2),
+            buffer: QueueCounts(ready=0, consumers=0, unacked=4, dead_lettering=1),
+        },
     )
     plan = decide(want, found)
     assert plan.refused
@@ -139,8 +145,11 @@ def test_missing_objects_are_nothing_to_do() -> None:
 
 def test_the_last_look_before_a_queue_goes() -> None:
     assert still_idle(None)
-    assert still_idle(QueueState(0, 0))
-    assert not still_idle(QueueState(1, 0))
-    assert not still_idle(QueueState(0, 1))
-    assert not blocks(QueueState(0, 0, unacked=0, dead_lettering=0))
-    assert Blocker("q", QueueState(1, 1)).reason == "1 message(s) (1 ready) and 1 consumer(s)"
+    assert still_idle(QueueCounts(ready=0, consumers=0))
+    assert not still_idle(QueueCounts(ready=1, consumers=0))
+    assert not still_idle(QueueCounts(ready=0, consumers=1))
+    assert not blocks(QueueCounts(ready=0, consumers=0, unacked=0, dead_lettering=0))
+    assert (
+        Blocker("q", QueueCounts(ready=1, consumers=1)).reason
+        == "1 message(s) (1 ready) and 1 consumer(s)"
+    )

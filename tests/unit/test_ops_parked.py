@@ -1,5 +1,6 @@
 """The pure side of `rabbit-delay parked` (rabbit_delay._ops.parked.rules): listing from
-peeked messages (through `replay.Stored.summary`), pages, bodies, headers as JSON."""
+peeked messages (through `rabbit_delay._ops.stored.Stored.summary`), pages, bodies,
+headers as JSON."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from rabbit_delay._ops.parked.rules import (
     page,
     render_body,
 )
-from rabbit_delay._ops.replay.rules import Stored
+from rabbit_delay._ops.stored import Stored
 
 T0 = 1_800_000_000_000
 

@@ -12,23 +12,24 @@ import pytest
 from rich.console import Console
 
 from rabbit_delay import Topology, topology_from_dict
-from rabbit_delay._broker import BrokerInfo
-from rabbit_delay._cli.ops import render_status, shows_progress
-from rabbit_delay._io.management import QueueStats, delayed_messages, queue_stats
-from rabbit_delay._ops.replay.rules import Stored
+from rabbit_delay._broker import BrokerInfo, QueueCounts
+from rabbit_delay._cli.replay import shows_progress
+from rabbit_delay._cli.status import render_status
+from rabbit_delay._io.management import counts_from_api, delayed_messages
 from rabbit_delay._ops.status.rules import (
     AGE_FROM_API,
     AGE_FROM_PEEK,
     DECLARE_HINT,
     STUCK_MARGIN_MS,
     PluginStore,
+    QueueRole,
     QueueRow,
-    Role,
     Status,
     oldest_cell,
     status_rows,
     stuck_after_ms,
 )
+from rabbit_delay._ops.stored import Stored
 from rabbit_delay._plan.desired import desired
 
 NOW = 1_800_000_000_000
@@ -60,7 +61,7 @@ def everything(t: Topology, **counts: Counts | None) -> dict[str, Counts | None]
 def by_name(
     t: Topology,
     live: Mapping[str, Counts | None] | None,
-    api: Mapping[str, QueueStats] | None = None,
+    api: Mapping[str, QueueCounts] | None = None,
     heads: Mapping[str, int | None] | None = None,
 ) -> dict[str, QueueRow]:
     return {r.name: r for r in status_rows(t, live, api, heads=heads, now_ms=NOW)}
@@ -173,21 +174,21 @@ def test_age_from_the_management_api_only_for_tier_buffers() -> None:
     fast, level = t.names.tier_queue("1s"), t.names.cascade_queue(2)
     live = everything(t, **{fast: Counts(1), level: Counts(1)})
     api = {
-        fast: QueueStats(1, 0, 0, head_timestamp=(NOW - 30_000) // 1000),
-        level: QueueStats(1, 0, 0, head_timestamp=(NOW - 30_000) // 1000),
+        fast: QueueCounts(1, 0, 0, head_timestamp=(NOW - 30_000) // 1000),
+        level: QueueCounts(1, 0, 0, head_timestamp=(NOW - 30_000) // 1000),
     }
     rows = by_name(t, live, api)
     assert (rows[fast].oldest_age_ms, rows[fast].age_source) == (30_000, AGE_FROM_API)
     assert rows[fast].stuck
     assert rows[level].oldest_age_ms is None
-    assert rows[level].role is Role.CASCADE
+    assert rows[level].role is QueueRole.CASCADE
 
 
 def test_head_message_timestamp_is_read_from_the_api() -> None:
     row = {"name": "q", "type": "classic", "messages_ready": 1, "head_message_timestamp": 1_700}
-    assert queue_stats(row).head_timestamp == 1_700
-    assert queue_stats({"name": "q", "type": "quorum"}).head_timestamp is None
-    assert queue_stats({"name": "q", "head_message_timestamp": ""}).head_timestamp is None
+    assert counts_from_api(row).head_timestamp == 1_700
+    assert counts_from_api({"name": "q", "type": "quorum"}).head_timestamp is None
+    assert counts_from_api({"name": "q", "head_message_timestamp": ""}).head_timestamp is None
 
 
 def test_when_a_message_entered_its_queue() -> None:
@@ -296,7 +297,7 @@ def test_ctrl_c_during_a_read_lets_the_read_finish_then_stops_the_watch() -> Non
     import time
 
     from rabbit_delay import BrokerUnavailable
-    from rabbit_delay._cli.ops import _watch
+    from rabbit_delay._cli.status import _watch
 
     reads: list[str] = []
 
@@ -321,7 +322,7 @@ def test_a_second_ctrl_c_interrupts_a_read_at_once() -> None:
     import signal
     import time
 
-    from rabbit_delay._cli.ops import _watch
+    from rabbit_delay._cli.status import _watch
 
     reads: list[str] = []
 

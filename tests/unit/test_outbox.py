@@ -510,9 +510,8 @@ def test_bad_database_urls(url: str, match: str) -> None:
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> Any:
-    from rabbit_delay._cli.app import app, load_commands
+    from rabbit_delay._cli.app import app
 
-    load_commands()
     return CliRunner().invoke(app, list(args), env=env or {})
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,11 +15,11 @@ from rabbit_delay._ops.replay.rules import (
     Leave,
     ParkedReplay,
     Reroute,
-    Stored,
     UnroutableReplay,
     replay_headers,
     resolve_queue,
 )
+from rabbit_delay._ops.stored import Stored
 
 NOW = 1_800_000_000_000
 
@@ -197,30 +196,6 @@ def test_summary_of_a_broker_dead_lettered_message() -> None:
     assert summary["park_reason"] == "delivery_limit"
     assert summary["parked_at"] == "2025-01-02T03:04:05.000Z"
     assert summary["error_type"] is None
-
-
-def test_from_management() -> None:
-    item = {
-        "payload": base64.b64encode(b"\xff\x00").decode(),
-        "payload_encoding": "base64",
-        "exchange": "shop.v1.parking",
-        "routing_key": "shop.v1.q.push",
-        "properties": {
-            "message_id": "m-3",
-            "content_type": BINARY,
-            "timestamp": 1_700_000_000,
-            "headers": {h.H_ATTEMPT: 4, "x-death": [{"time": 1_700_000_100, "reason": "rejected"}]},
-        },
-    }
-    msg = Stored.from_management(item)
-    assert msg.body == b"\xff\x00"
-    assert (msg.message_id, msg.content_type, msg.timestamp) == ("m-3", BINARY, 1_700_000_000)
-    assert msg.attempt == 4
-    assert msg.parked_at_ms == 1_700_000_100_000
-    assert Stored.from_management({"payload": "{}", "payload_encoding": "string"}).body == b"{}"
-
-
-# -- the catch-all ------------------------------------------------------------------------
 
 
 def due(target: str | None, routing_key: str = "whatever", **headers: Any) -> Stored:

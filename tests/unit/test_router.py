@@ -289,7 +289,8 @@ def test_worker_retries_and_replays_through_a_sharded_tier_shard_by_id(sharded: 
     """Retries (consumer/_decide.py) and replays (replay.py) build their copies with
     PublisherCore.outgoing from a Router route: the id picks the shard there too."""
     from rabbit_delay._consumer.decide import QueuePolicy
-    from rabbit_delay._ops.replay.rules import ParkedReplay, Stored
+    from rabbit_delay._ops.replay.rules import ParkedReplay
+    from rabbit_delay._ops.stored import Stored
 
     policy = QueuePolicy(sharded, "push")
     retry = policy.retry_routes[0]

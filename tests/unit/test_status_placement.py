@@ -9,11 +9,12 @@ from io import StringIO
 from rich.console import Console
 
 from rabbit_delay import Topology, topology_from_dict
-from rabbit_delay._cli.ops import _status_table
-from rabbit_delay._io.management import QueueStats, queue_stats
+from rabbit_delay._broker import QueueCounts
+from rabbit_delay._cli.status import _status_table
+from rabbit_delay._io.management import counts_from_api
 from rabbit_delay._ops.status.rules import (
+    QueueRole,
     QueueRow,
-    Role,
     placement_cells,
     shows_placement,
     status_rows,
@@ -29,19 +30,19 @@ def topology() -> Topology:
     )
 
 
-def stats(leader: str | None, members: tuple[str, ...], online: tuple[str, ...]) -> QueueStats:
-    return QueueStats(0, 0, 0, leader, members, online)
+def stats(leader: str | None, members: tuple[str, ...], online: tuple[str, ...]) -> QueueCounts:
+    return QueueCounts(0, 0, 0, leader, members, online)
 
 
 def row(**placement: object) -> QueueRow:
-    queue = QueueRow(Role.BUSINESS, "placement.v1.q.orders", None, True, 0, 0, 1)
+    queue = QueueRow(QueueRole.BUSINESS, "placement.v1.q.orders", None, True, 0, 0, 1)
     for name, value in placement.items():
         setattr(queue, name, value)
     return queue
 
 
 def test_a_quorum_queue_row_of_the_api_gives_its_placement() -> None:
-    got = queue_stats(
+    got = counts_from_api(
         {
             "name": "x",
             "type": "quorum",
@@ -54,14 +55,14 @@ def test_a_quorum_queue_row_of_the_api_gives_its_placement() -> None:
             "messages_dlx": 32,
         }
     )
-    assert got == QueueStats(4, 1, 2, B, (A, B, C), (A, B), 32)
+    assert got == QueueCounts(4, 1, 2, B, (A, B, C), (A, B), 32)
 
 
 def test_a_classic_queue_or_an_older_answer_has_no_placement() -> None:
-    classic = queue_stats({"name": "x", "type": "classic", "node": A, "messages_ready": 1})
+    classic = counts_from_api({"name": "x", "type": "classic", "node": A, "messages_ready": 1})
     assert (classic.leader, classic.members, classic.online) == (None, None, None)
     assert classic.ready == 1
-    silent = queue_stats({"name": "x", "type": "quorum", "leader": "", "members": "?"})
+    silent = counts_from_api({"name": "x", "type": "quorum", "leader": "", "members": "?"})
     assert (silent.leader, silent.members, silent.online) == (None, None, None)
 
 
@@ -105,7 +106,7 @@ def test_messages_being_dead_lettered_are_noted() -> None:
     t = topology()
     buffer = t.names.tier_queue("3s")
     api = {spec.name: stats(A, (A, B, C), (A, B, C)) for spec in desired(t).queues}
-    api[buffer] = QueueStats(0, 0, 0, A, (A, B, C), (A, B, C), 370)
+    api[buffer] = QueueCounts(0, 0, 0, A, (A, B, C), (A, B, C), 370)
     rows = {r.name: r for r in status_rows(t, None, api)}
     assert rows[buffer].notes == ["370 dead-lettered, not yet confirmed by their destination"]
     assert rows[buffer].as_json()["dead_lettering"] == 370

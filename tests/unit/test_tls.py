@@ -58,13 +58,6 @@ def test_every_context_verifies_the_certificate_and_the_host_name() -> None:
         assert context.minimum_version >= ssl.TLSVersion.TLSv1_2
 
 
-def test_server_name_replaces_the_host_name_checked() -> None:
-    assert TLSOptions().server_hostname("10.0.0.5") == "10.0.0.5"
-    assert TLSOptions(server_name="rabbit.internal").server_hostname("10.0.0.5") == (
-        "rabbit.internal"
-    )
-
-
 def test_files_that_cannot_be_used_are_named(tmp_path: Path) -> None:
     missing = str(tmp_path / "missing.pem")
     with pytest.raises(ConfigError, match=r"cannot read the CA file .*missing\.pem"):

@@ -1,5 +1,5 @@
 """The pure side of `rabbit-delay transfer`: what each pending message becomes in the
-target topology (rabbit_delay/ops/transfer.py), and what the report says."""
+target topology (rabbit_delay/_ops/transfer/rules.py), and what the report says."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from rabbit_delay import _headers as h
 from rabbit_delay._broker import BrokerInfo
 from rabbit_delay._durations import iso_ms
 from rabbit_delay._envelope import BINARY, JSON
-from rabbit_delay._ops.replay.rules import Stored
+from rabbit_delay._ops.stored import Stored
 from rabbit_delay._ops.transfer.rules import (
     Leave,
     Move,

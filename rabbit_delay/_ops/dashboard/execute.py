@@ -1,10 +1,10 @@
 """The dashboard's broker side, on pika: the same calls `status`, `parked` and `replay`
-make, behind one object the HTTP layer (`rabbit_delay.dashboard`) is given.
+make, behind one object the HTTP layer (`rabbit_delay._ops.dashboard.server`) is given.
 
 Each operation opens its own connection (a WSGI server answers from several threads; a
 pika connection belongs to one), and every operation on one parking lot holds that lot's
 lock: two peeks of one queue at the same time could interleave what they put back (see
-`sync.replay.REQUEUE_BATCH`), and a replay must not run under a peek. A lot is peeked
+`rabbit_delay._ops.queues.REQUEUE_BATCH`), and a replay must not run under a peek. A lot is peeked
 whole (which keeps its order) and kept for `every` seconds, so paging through it or
 opening a message reads the broker once per refresh interval, not once per page.
 """
@@ -20,12 +20,20 @@ from dataclasses import dataclass
 import pika
 
 from rabbit_delay._ops.dashboard.rules import Poller
-from rabbit_delay._ops.parked.execute import parking_lot, peek_lot, purge_parked
-from rabbit_delay._ops.parked.rules import ParkedDetail, ParkedPage, check_page, find, page
-from rabbit_delay._ops.replay.execute import ReplayReport, replay_parked
-from rabbit_delay._ops.replay.rules import Stored
+from rabbit_delay._ops.parked.execute import peek_lot, purge_parked
+from rabbit_delay._ops.parked.rules import (
+    ParkedDetail,
+    ParkedPage,
+    check_page,
+    find,
+    page,
+    parking_lot,
+)
+from rabbit_delay._ops.replay.execute import replay_parked
+from rabbit_delay._ops.replay.rules import ReplayReport
 from rabbit_delay._ops.status.execute import read_status
 from rabbit_delay._ops.status.rules import Status
+from rabbit_delay._ops.stored import Stored
 from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import redact
 from rabbit_delay.sync._connection import close_quietly, connect_first

@@ -5,8 +5,8 @@ page and client shares.
 
 The figures themselves are not computed here: queue rows and what needs attention come
 from `rabbit_delay._ops.status.rules` (the rules of `status --check`), parked messages from
-`rabbit_delay._ops.parked.rules`. The HTTP layer is `rabbit_delay.dashboard`; the broker side
-is `rabbit_delay._ops.dashboard.execute`.
+`rabbit_delay._ops.parked.rules`. The HTTP layer is `rabbit_delay._ops.dashboard.server`;
+the broker side is `rabbit_delay._ops.dashboard.execute`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from rabbit_delay._errors import ConfigError
 from rabbit_delay._names import Names
 from rabbit_delay._observe.metrics import NAMESPACE
 from rabbit_delay._ops.parked.rules import DEFAULT_LIMIT, check_page
-from rabbit_delay._ops.status.rules import QueueRow, Role, Status
+from rabbit_delay._ops.status.rules import QueueRole, QueueRow, Status
 
 DEFAULT_PORT = 8765
 DEFAULT_HOST = "127.0.0.1"
@@ -350,13 +350,13 @@ def picture(status: Status, names: Names) -> Picture:
             )
         )
 
-    by_role: dict[Role, list[QueueRow]] = {role: [] for role in Role}
+    by_role: dict[QueueRole, list[QueueRow]] = {role: [] for role in QueueRole}
     for q in status.rows:
         by_role[q.role].append(q)
     nodes.append(Node("publish", "publish", PUBLISH, 0, "publisher"))
     nodes.append(Node("due", "due exchange", DUE, 0, "exchange"))
     row = 0
-    for q in by_role[Role.BUFFER] + by_role[Role.CASCADE]:
+    for q in by_role[QueueRole.BUFFER] + by_role[QueueRole.CASCADE]:
         add(BUFFERS, row, q)
         edges += [("publish", q.name), (q.name, "due")]
         row += 1
@@ -365,8 +365,8 @@ def picture(status: Status, names: Names) -> Picture:
         label = f"plugin store ({'?' if held is None else held})"
         nodes.append(Node("plugin", label, BUFFERS, row, "plugin", held))
         edges += [("publish", "plugin"), ("plugin", "due")]
-    lots = {q.name: q for q in by_role[Role.PARKING]}
-    for i, q in enumerate(by_role[Role.BUSINESS]):
+    lots = {q.name: q for q in by_role[QueueRole.PARKING]}
+    for i, q in enumerate(by_role[QueueRole.BUSINESS]):
         add(BUSINESS, i, q)
         edges.append(("due", q.name))
         lot = lots.pop(names.parking_queue(names.parse(q.name)[1]), None)
@@ -374,8 +374,8 @@ def picture(status: Status, names: Names) -> Picture:
             add(PARKING, i, lot)
             edges.append((q.name, lot.name))
     for i, lot in enumerate(lots.values()):  # a lot without its business queue: unexpected
-        add(PARKING, len(by_role[Role.BUSINESS]) + i, lot)
-    for i, q in enumerate(by_role[Role.CATCH_ALL]):
+        add(PARKING, len(by_role[QueueRole.BUSINESS]) + i, lot)
+    for i, q in enumerate(by_role[QueueRole.CATCH_ALL]):
         add(DUE, 1 + i, q)
         edges.append(("due", q.name))
     return Picture(tuple(nodes), tuple(edges))
@@ -478,7 +478,7 @@ def snapshot_json(
                 "attention": r.attention,
             }
             for r in status.rows
-            if r.role in (Role.BUFFER, Role.CASCADE)
+            if r.role in (QueueRole.BUFFER, QueueRole.CASCADE)
         ]
     return {
         "read_at_ms": read_at_ms,

@@ -37,6 +37,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from rabbit_delay._errors import BrokerError, ConfigError, MissingObjectError, RabbitDelayError
 from rabbit_delay._ops.dashboard import html as _html
 from rabbit_delay._ops.dashboard.rules import (
+    DEFAULT_HOST,
     TOKEN_FIELD,
     TOKEN_HEADER,
     Auth,
@@ -52,14 +53,13 @@ from rabbit_delay._ops.dashboard.rules import (
     snapshot_json,
 )
 from rabbit_delay._ops.parked.rules import ParkedDetail, ParkedPage
+from rabbit_delay._ops.replay.rules import ReplayReport
 from rabbit_delay._ops.status.rules import Status
 from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import redact
 
 if TYPE_CHECKING:
     from wsgiref.types import StartResponse, WSGIEnvironment
-
-    from rabbit_delay._ops.replay.execute import ReplayReport
 
 log = logging.getLogger("rabbit_delay.dashboard")
 
@@ -148,7 +148,7 @@ class Dashboard:
         metrics_urls: Sequence[str] = (),
         allow_actions: bool = False,
         auth: Auth | None = None,
-        host: str = "127.0.0.1",
+        host: str = DEFAULT_HOST,
         port: int = 0,
         scraper: Callable[[str], str] = scrape,
     ) -> None:

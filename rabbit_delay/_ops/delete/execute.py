@@ -3,19 +3,15 @@ then delete in its order, looking at each queue once more just before it goes.""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pika
 import pika.exceptions
 
+from rabbit_delay._broker import QueueCounts
 from rabbit_delay._errors import ManagementUnavailable, RabbitDelayError
-from rabbit_delay._io.management import QueueStats, read_observed, read_queue_stats
-from rabbit_delay._ops.delete.rules import (
-    DeleteReport,
-    Found,
-    QueueState,
-    Target,
-    decide,
-    still_idle,
-)
+from rabbit_delay._io.management import read_observed, read_queue_counts
+from rabbit_delay._ops.delete.rules import DeleteReport, Found, Target, decide, still_idle
 from rabbit_delay._plan.desired import Kind, desired
 from rabbit_delay._plan.diff import PlanItem, retired_shards
 from rabbit_delay._plan.program import probe_retired_shards
@@ -33,7 +29,7 @@ class _Objects(ChannelSlot):
     """Passive declares and deletes on one channel, replaced when a 404 (or a refused
     delete) closes it."""
 
-    def queue(self, name: str) -> QueueState | None:
+    def queue(self, name: str) -> QueueCounts | None:
         with mapped(f"checking queue {name!r} (passive declare)"):
             try:
                 ok = self.channel.queue_declare(name, passive=True)
@@ -41,7 +37,9 @@ class _Objects(ChannelSlot):
                 if exc.reply_code == 404:
                     return None
                 raise
-        return QueueState(ok.method.message_count or 0, ok.method.consumer_count or 0)
+        return QueueCounts(
+            ready=ok.method.message_count or 0, consumers=ok.method.consumer_count or 0
+        )
 
     def exchange(self, name: str) -> bool:
         with mapped(f"checking exchange {name!r} (passive declare)"):
@@ -64,10 +62,11 @@ class _Objects(ChannelSlot):
                 self.channel.queue_delete(target.name, if_unused=if_idle, if_empty=if_idle)
 
 
-def _with_api(state: QueueState | None, stats: QueueStats | None) -> QueueState | None:
-    if state is None or stats is None:
+def _with_api(state: QueueCounts | None, api: QueueCounts | None) -> QueueCounts | None:
+    """Live counts, with the management API's unacked and dead-lettering figures."""
+    if state is None or api is None:
         return state
-    return QueueState(state.ready, state.consumers, stats.unacked, stats.dead_lettering)
+    return replace(state, unacked=api.unacked, dead_lettering=api.dead_lettering)
 
 
 def survey(
@@ -83,12 +82,12 @@ def survey(
     Raises ConnectionLost, AccessRefused or BrokerError.
     """
     want = desired(topology)
-    stats: dict[str, QueueStats] = {}
+    stats: dict[str, QueueCounts] = {}
     retired: tuple[PlanItem, ...] | None = None
     if endpoint is not None:
         prefix = topology.names.prefix + "."
         try:
-            stats = read_queue_stats(endpoint, prefix)
+            stats = read_queue_counts(endpoint, prefix)
             observed = read_observed(endpoint, prefix)
             retired = retired_shards(want, observed.exchanges, observed.queues)
         except ManagementUnavailable:

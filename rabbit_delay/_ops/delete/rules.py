@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rabbit_delay._broker import QueueCounts
 from rabbit_delay._errors import RabbitDelayError
 from rabbit_delay._names import CASCADE_KIND, TIER_KIND, Names
 from rabbit_delay._plan.desired import Desired, Kind
@@ -40,26 +41,11 @@ class Target:
 
 
 @dataclass(frozen=True, slots=True)
-class QueueState:
-    """A queue as the broker reports it: live (passive declare) ready messages and
-    consumers; from the management API, when used, unacked and dead-lettering ones."""
-
-    ready: int
-    consumers: int
-    unacked: int | None = None
-    dead_lettering: int | None = None
-
-    @property
-    def held(self) -> int:
-        return self.ready + (self.unacked or 0) + (self.dead_lettering or 0)
-
-
-@dataclass(frozen=True, slots=True)
 class Blocker:
     """A queue that holds messages or is in use: deleting it would lose them."""
 
     name: str
-    state: QueueState
+    state: QueueCounts  # live ready and consumers; unacked, dead-lettering from the API
 
     @property
     def reason(self) -> str:
@@ -85,12 +71,12 @@ class Blocker:
         }
 
 
-def blocks(state: QueueState | None) -> bool:
+def blocks(state: QueueCounts | None) -> bool:
     """Whether a queue in this state may not be deleted without --force."""
-    return state is not None and (state.held > 0 or state.consumers > 0)
+    return state is not None and (state.held > 0 or bool(state.consumers))
 
 
-def still_idle(state: QueueState | None) -> bool:
+def still_idle(state: QueueCounts | None) -> bool:
     """The last look before a queue is deleted: gone already, or empty and unused."""
     return not blocks(state)
 
@@ -100,7 +86,7 @@ class Found:
     """What the broker has of a topology: each queue's state (None: absent), whether
     each exchange exists, and the retired shards found (`plan.retired_shards`)."""
 
-    queues: Mapping[str, QueueState | None]
+    queues: Mapping[str, QueueCounts | None]
     exchanges: Mapping[str, bool]
     retired: tuple[PlanItem, ...] = ()
 
@@ -199,7 +185,6 @@ __all__ = [
     "DeletePlan",
     "DeleteReport",
     "Found",
-    "QueueState",
     "Target",
     "blocks",
     "decide",

@@ -1,8 +1,8 @@
 """Parking lots on pika: list, show and purge parked messages (what they mean:
 `rabbit_delay._ops.parked.rules`; moving them back: `rabbit_delay._ops.replay.execute`).
 
-Listing and showing only peek (`replay.peek`: basic.get holding each message unacked,
-then one multiple nack with requeue), so every message stays where it was, in order. A
+Listing and showing only peek (`rabbit_delay._ops.queues.peek`: every message held
+unacked, then put back in order), so every message stays where it was, in order. A
 parking lot is declared with an explicit, huge `x-delivery-limit`, so looking at it
 never costs a message on RabbitMQ 4.x either.
 """
@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import pika
 
-from rabbit_delay._ops.parked.rules import ParkedDetail, ParkedPage, check_page, find, page
-from rabbit_delay._ops.replay.execute import peek, require_queue
-from rabbit_delay._ops.replay.rules import Stored, resolve_queue
+from rabbit_delay._ops.parked.rules import (
+    ParkedDetail,
+    ParkedPage,
+    check_page,
+    find,
+    page,
+    parking_lot,
+)
+from rabbit_delay._ops.queues import peek, ready_messages
+from rabbit_delay._ops.stored import Stored
 from rabbit_delay._topology.model import Topology
 from rabbit_delay.sync._errors import mapped
-
-
-def parking_lot(topology: Topology, queue: str) -> tuple[str, str]:
-    """(logical queue, parking-lot name) for `queue`, given by its logical, business or
-    parking-lot name. Raises UnknownTargetError for a queue outside the topology."""
-    logical = resolve_queue(topology, queue)
-    return logical, topology.names.parking_queue(logical)
 
 
 def parked_count(connection: pika.BlockingConnection, topology: Topology, queue: str) -> int:
@@ -32,7 +32,7 @@ def parked_count(connection: pika.BlockingConnection, topology: Topology, queue:
     `rabbit-delay declare`), ConnectionLost or AccessRefused.
     """
     _, lot = parking_lot(topology, queue)
-    return require_queue(connection, lot, "parking lot", unchanged="nothing was read").ready
+    return ready_messages(connection, lot, "parking lot", unchanged="nothing was read")
 
 
 def list_parked(
@@ -51,7 +51,7 @@ def list_parked(
     """
     check_page(offset, limit)
     logical, lot = parking_lot(topology, queue)
-    total = require_queue(connection, lot, "parking lot", unchanged="nothing was read").ready
+    total = ready_messages(connection, lot, "parking lot", unchanged="nothing was read")
     found = peek(connection, lot, min(limit, max(total - offset, 0)), skip=offset) if total else []
     return page(logical, lot, total, offset, limit, found)
 
@@ -63,7 +63,7 @@ def peek_lot(
     moved: what a dashboard pages through without reading the lot again for each page.
     Raises what `parked_count` raises."""
     logical, lot = parking_lot(topology, queue)
-    total = require_queue(connection, lot, "parking lot", unchanged="nothing was read").ready
+    total = ready_messages(connection, lot, "parking lot", unchanged="nothing was read")
     return logical, lot, peek(connection, lot, total) if total else []
 
 
@@ -82,7 +82,7 @@ def purge_parked(connection: pika.BlockingConnection, topology: Topology, queue:
     They cannot be recovered. Raises what `parked_count` raises.
     """
     _, lot = parking_lot(topology, queue)
-    require_queue(connection, lot, "parking lot", unchanged="nothing was purged")
+    ready_messages(connection, lot, "parking lot", unchanged="nothing was purged")
     with mapped(f"purging parking lot {lot!r}", permission="read"):
         channel = connection.channel()
         try:
@@ -96,7 +96,6 @@ def purge_parked(connection: pika.BlockingConnection, topology: Topology, queue:
 __all__ = [
     "list_parked",
     "parked_count",
-    "parking_lot",
     "peek_lot",
     "purge_parked",
     "show_parked",

@@ -1,9 +1,9 @@
 """Parked messages as `rabbit-delay parked` (and a dashboard) shows them. Pure.
 
 The transport (`rabbit_delay._ops.parked.execute`) peeks the parking lot in queue order
-(basic.get holding every message unacked, then one multiple nack: nothing is lost or
-reordered) and hands the messages here as `replay.Stored`, whose `summary()` is the one
-reading of the parking headers. Position 0 is the head of the lot, the message parked
+(every message held unacked, then put back in order: nothing is lost or reordered) and
+hands the messages here as `rabbit_delay._ops.stored.Stored`, whose `summary()` is the
+one reading of the parking headers. Position 0 is the head of the lot, the message parked
 first; a page is `limit` messages from position `offset`, so a long lot is read in pages.
 """
 
@@ -20,10 +20,19 @@ from typing import Any
 from rabbit_delay import _headers as h
 from rabbit_delay._durations import iso, iso_ms
 from rabbit_delay._errors import ConfigError
-from rabbit_delay._ops.replay.rules import Stored
+from rabbit_delay._ops.replay.rules import resolve_queue
+from rabbit_delay._ops.stored import Stored
+from rabbit_delay._topology.model import Topology
 
 # `parked list` shows this many messages unless --limit says otherwise.
 DEFAULT_LIMIT = 50
+
+
+def parking_lot(topology: Topology, queue: str) -> tuple[str, str]:
+    """(logical queue, parking-lot name) for `queue`, given by its logical, business or
+    parking-lot name. Raises UnknownTargetError for a queue outside the topology."""
+    logical = resolve_queue(topology, queue)
+    return logical, topology.names.parking_queue(logical)
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,5 +250,6 @@ __all__ = [
     "find",
     "json_safe",
     "page",
+    "parking_lot",
     "render_body",
 ]

@@ -13,20 +13,17 @@ failed message is never turned into a live delivery by re-routing). Its headers 
 kept (only the broker's are dropped): it never reached a handler.
 
 The pika layer (`rabbit_delay._ops.replay.execute`) gets each message, publishes what this
-module built, and acks the original only once the copy is confirmed.
+module built, and acks the original only once the copy is confirmed; what it did is a
+`ReplayReport`, what a dry run would do a `Preview` (both here: plain data).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from rabbit_delay import _headers as h
-from rabbit_delay._durations import iso_ms
 from rabbit_delay._envelope import (
     BINARY,
     Outgoing,
@@ -34,8 +31,10 @@ from rabbit_delay._envelope import (
     new_message_id,
     outgoing,
     strip_broker_headers,
+    text_header,
 )
 from rabbit_delay._errors import UnknownTargetError
+from rabbit_delay._ops.stored import Stored
 from rabbit_delay._topology.delays import IMMEDIATE, Route, Router
 from rabbit_delay._topology.model import Topology
 
@@ -58,143 +57,6 @@ def replay_headers(headers: Mapping[str, object]) -> dict[str, object]:
     ones and those of its previous route."""
     dropped = {*PARKING_HEADERS, *ROUTE_HEADERS}
     return {k: v for k, v in strip_broker_headers(headers).items() if k not in dropped}
-
-
-def _text(value: object) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, bytes | bytearray):
-        return bytes(value).decode("utf-8", errors="replace")
-    return str(value)
-
-
-def _int(value: object) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    text = _text(value)
-    try:
-        return int(text) if text is not None else None
-    except ValueError:
-        return None
-
-
-def _epoch_ms(value: object) -> int | None:
-    """x-death `time`: a datetime from pika, epoch seconds from the management API."""
-    if isinstance(value, datetime):
-        aware = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
-        return int(aware.timestamp() * 1000)
-    seconds = _int(value)
-    return None if seconds is None else seconds * 1000
-
-
-@dataclass(frozen=True, slots=True)
-class Stored:
-    """A message read from a parking lot or the catch-all (basic.get or management API)."""
-
-    body: bytes
-    message_id: str | None
-    content_type: str | None
-    headers: Mapping[str, object] = field(default_factory=dict)
-    exchange: str = ""  # the exchange it was last published (or dead-lettered) to
-    routing_key: str = ""
-    timestamp: int | None = None  # the AMQP `timestamp` property, seconds
-
-    @classmethod
-    def from_management(cls, item: Mapping[str, Any]) -> Stored:
-        """One entry of the management API's `POST /api/queues/{vhost}/{name}/get` answer."""
-        props: Mapping[str, Any] = item.get("properties") or {}
-        payload = item.get("payload") or ""
-        body = payload.encode()
-        if item.get("payload_encoding") == "base64":
-            try:
-                body = base64.b64decode(payload)
-            except (binascii.Error, ValueError):
-                body = b""
-        return cls(
-            body=body,
-            message_id=props.get("message_id"),
-            content_type=props.get("content_type"),
-            headers=props.get("headers") or {},
-            exchange=str(item.get("exchange") or ""),
-            routing_key=str(item.get("routing_key") or ""),
-            timestamp=_int(props.get("timestamp")),
-        )
-
-    def header(self, name: str) -> str | None:
-        return _text(self.headers.get(name))
-
-    @property
-    def first_death(self) -> Mapping[str, object] | None:
-        """The most recent x-death entry (the broker puts it first), if dead-lettered."""
-        deaths = self.headers.get("x-death")
-        if isinstance(deaths, list) and deaths and isinstance(deaths[0], Mapping):
-            return deaths[0]
-        return None
-
-    @property
-    def attempt(self) -> int | None:
-        return _int(self.headers.get(h.H_ATTEMPT))
-
-    @property
-    def target(self) -> str | None:
-        return self.header(h.H_TARGET)
-
-    @property
-    def parked_at_ms(self) -> int | None:
-        """When the worker parked it, else when the broker dead-lettered it."""
-        parked = self.last_failure_ms
-        if parked is not None:
-            return parked
-        death = self.first_death
-        return None if death is None else _epoch_ms(death.get("time"))
-
-    @property
-    def first_failure_ms(self) -> int | None:
-        """When its first attempt failed (the worker's rd-first-failure-at)."""
-        return _int(self.headers.get(h.H_FIRST_FAILURE))
-
-    @property
-    def last_failure_ms(self) -> int | None:
-        """When its last attempt failed (the worker's rd-last-failure-at)."""
-        return _int(self.headers.get(h.H_LAST_FAILURE))
-
-    @property
-    def queued_at_ms(self) -> int | None:
-        """When it entered the queue it was read from, as far as the message tells: the
-        broker's most recent dead-lettering (a cascade level receives a message from the
-        level above), else its AMQP `timestamp` (set by every rabbit-delay publish, in
-        whole seconds, so up to 1 s early). None when neither says."""
-        death = self.first_death
-        dead_lettered = None if death is None else _epoch_ms(death.get("time"))
-        if dead_lettered is not None:
-            return dead_lettered
-        return None if self.timestamp is None else self.timestamp * 1000
-
-    @property
-    def park_reason(self) -> str | None:
-        """rd-park-reason, or the broker's dead-letter reason (e.g. delivery_limit)."""
-        reason = self.header(h.H_PARK_REASON)
-        if reason is not None:
-            return reason
-        death = self.first_death
-        return None if death is None else _text(death.get("reason"))
-
-    def summary(self) -> dict[str, object]:
-        """What an operator needs to decide about this message (no body, no traceback)."""
-        return {
-            "message_id": self.message_id,
-            "error_type": self.header(h.H_ERROR_TYPE),
-            "error_message": self.header(h.H_ERROR_MESSAGE),
-            "attempts": self.attempt,
-            "park_reason": self.park_reason,
-            "parked_at": iso_ms(self.parked_at_ms),
-            "first_failure": iso_ms(self.first_failure_ms),
-            "last_failure": iso_ms(self.last_failure_ms),
-            "original_queue": self.header(h.H_ORIGINAL_QUEUE),
-            "target": self.target or self.routing_key or None,
-        }
 
 
 def resolve_queue(topology: Topology, queue: str) -> str:
@@ -294,7 +156,7 @@ class UnroutableReplay:
             return original
         n = self.topology.names
         death = msg.first_death
-        candidates = [_text(death.get("queue")) if death else None, msg.routing_key]
+        candidates = [text_header(death.get("queue")) if death else None, msg.routing_key]
         for name in candidates:
             try:
                 kind, detail = n.parse(name or "")
@@ -330,16 +192,75 @@ class UnroutableReplay:
         return Reroute(out, queues, to_parking)
 
 
+# -- what a replay did (or, dry, would do) ------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Moved:
+    message_id: str
+    exchange: str
+    routing_key: str
+
+
+@dataclass
+class ReplayReport:
+    """What a replay did. `error` is set when it stopped on a failure (the message that
+    failed is back in `source`); everything in `moved` was confirmed, then acked."""
+
+    source: str
+    destination: str
+    moved: list[Moved] = field(default_factory=list)
+    left: list[tuple[str | None, str]] = field(default_factory=list)  # (message_id, why)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def as_json(self) -> dict[str, Any]:
+        """What `replay --json` prints (and the dashboard answers)."""
+        return {
+            "dry_run": False,
+            "ok": self.ok,
+            "source": self.source,
+            "destination": self.destination,
+            "moved": len(self.moved),
+            "message_ids": [m.message_id for m in self.moved],
+            "left": [{"message_id": mid, "reason": why} for mid, why in self.left],
+            "error": self.error,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Previewed:
+    message: Stored
+    action: str  # "exchange [routing key]", or why it would be left in place
+    moves: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Preview:
+    """What a replay would do, read without consuming anything."""
+
+    source: str
+    destination: str
+    held: int  # ready messages in `source` at the start
+    via: str
+    messages: tuple[Previewed, ...]
+
+
 __all__ = [
     "IMMEDIATE",
     "PARKING_HEADERS",
     "ROUTE_HEADERS",
     "Leave",
+    "Moved",
     "ParkedReplay",
+    "Preview",
+    "Previewed",
+    "ReplayReport",
     "Reroute",
-    "Stored",
     "UnroutableReplay",
-    "iso_ms",
     "replay_headers",
     "resolve_queue",
 ]

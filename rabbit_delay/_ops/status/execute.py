@@ -16,22 +16,27 @@ from collections.abc import Iterable, Sequence
 import pika
 import pika.exceptions
 
-from rabbit_delay._broker import BrokerInfo
+from rabbit_delay._broker import BrokerInfo, QueueCounts
 from rabbit_delay._envelope import now_ms
 from rabbit_delay._errors import AccessRefused, BrokerUnavailable, ManagementUnavailable
 from rabbit_delay._io.management import (
-    QueueStats,
     access_for,
     read_broker_version,
     read_delayed_messages,
     read_exchange_names,
-    read_queue_stats,
+    read_queue_counts,
 )
-from rabbit_delay._names import CASCADE_KIND, TIER_KIND
-from rabbit_delay._ops.replay.execute import PassiveCounts, passive_counts, peek_head
-from rabbit_delay._ops.status.rules import AGE_FROM_API, PluginStore, Status, status_rows
+from rabbit_delay._ops.queues import passive_counts, peek_head
+from rabbit_delay._ops.status.rules import (
+    AGE_FROM_API,
+    PluginStore,
+    Status,
+    may_peek_buffers,
+    nonempty_buffers,
+    status_rows,
+)
 from rabbit_delay._plan.desired import desired
-from rabbit_delay._topology.model import QueueType, Topology
+from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import ManagementEndpoint, management_endpoint, redact
 from rabbit_delay.sync._connection import broker_info, close_quietly, connect_first
 from rabbit_delay.sync._errors import mapped
@@ -82,23 +87,6 @@ def head_times(
     return heads, None
 
 
-def nonempty_buffers(topology: Topology, live: dict[str, PassiveCounts | None]) -> list[str]:
-    """The tier buffers and cascade levels that hold ready messages."""
-    return [
-        name
-        for name, counts in live.items()
-        if counts is not None
-        and counts.ready
-        and topology.names.parse(name)[0] in (TIER_KIND, CASCADE_KIND)
-    ]
-
-
-def may_peek_buffers(topology: Topology, info: BrokerInfo) -> bool:
-    """Whether a buffer's head may be peeked on this broker: a classic queue has no
-    delivery limit; a quorum one only where a requeue cannot dead-letter it early."""
-    return topology.queue_type is QueueType.CLASSIC or info.peeks_quorum_buffers_freely
-
-
 def read_status(
     topology: Topology,
     urls: Sequence[str],
@@ -119,7 +107,7 @@ def read_status(
     queue_names = [spec.name for spec in want.queues]
     exchange_names = [spec.name for spec in want.exchanges]
     broker = urls[0]  # the node shown until one answers
-    live: dict[str, PassiveCounts | None] | None = None
+    live: dict[str, QueueCounts | None] | None = None
     exchanges: dict[str, bool] | None = None
     heads: dict[str, int | None] | None = None
     amqp_error: BrokerUnavailable | None = None
@@ -151,14 +139,14 @@ def read_status(
         endpoint, api_note = access.endpoint, access.note
     checked_at = now_ms()
 
-    api: dict[str, QueueStats] | None = None
+    api: dict[str, QueueCounts] | None = None
     api_error = api_note or "not used (--no-management)"
     version = info.version_text if info is not None and info.version_text else None
     delayed: int | None = None
     if endpoint is not None:
         prefix = topology.names.prefix + "."
         try:
-            api = read_queue_stats(endpoint, prefix)
+            api = read_queue_counts(endpoint, prefix)
             if exchanges is None:
                 present = read_exchange_names(endpoint, prefix)
                 exchanges = {name: name in present for name in exchange_names}
@@ -219,10 +207,4 @@ def read_status(
     )
 
 
-__all__ = [
-    "head_times",
-    "may_peek_buffers",
-    "nonempty_buffers",
-    "passive_exchanges",
-    "read_status",
-]
+__all__ = ["head_times", "passive_exchanges", "read_status"]

@@ -18,25 +18,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any
 
+from rabbit_delay._broker import BrokerInfo, QueueCounts
 from rabbit_delay._durations import format_ms, iso_ms
-from rabbit_delay._io.management import QueueStats
+from rabbit_delay._names import CASCADE_KIND, TIER_KIND
 from rabbit_delay._plan.desired import desired
-from rabbit_delay._topology.model import Topology
+from rabbit_delay._topology.model import QueueType, Topology
 
 
-class LiveCounts(Protocol):
-    """What a passive queue.declare tells (`rabbit_delay._ops.replay.execute.PassiveCounts`)."""
+class QueueRole(StrEnum):
+    """What a queue of the topology is for (a status row's `role`)."""
 
-    @property
-    def ready(self) -> int: ...
-
-    @property
-    def consumers(self) -> int: ...
-
-
-class Role(StrEnum):
     BUFFER = "tier buffer"
     CASCADE = "cascade level"
     BUSINESS = "business"
@@ -45,17 +38,17 @@ class Role(StrEnum):
 
 
 _ROLE_OF_KIND = {
-    "delay": Role.BUFFER,
-    "cascade": Role.CASCADE,
-    "q": Role.BUSINESS,
-    "parking": Role.PARKING,
-    "unroutable": Role.CATCH_ALL,
+    "delay": QueueRole.BUFFER,
+    "cascade": QueueRole.CASCADE,
+    "q": QueueRole.BUSINESS,
+    "parking": QueueRole.PARKING,
+    "unroutable": QueueRole.CATCH_ALL,
 }
-_ORDER = list(Role)
+_ORDER = list(QueueRole)
 # Queues whose messages wait for a human.
-HUMAN_ROLES = (Role.PARKING, Role.CATCH_ALL)
+HUMAN_ROLES = (QueueRole.PARKING, QueueRole.CATCH_ALL)
 # Queues that must never have consumers: they hold messages until their TTL expires.
-BUFFER_ROLES = (Role.BUFFER, Role.CASCADE)
+BUFFER_ROLES = (QueueRole.BUFFER, QueueRole.CASCADE)
 
 # A buffer is stuck when its oldest message has been in it longer than its TTL plus
 # this margin (or a tenth of the TTL, when longer): a burst of thousands of messages due
@@ -78,7 +71,13 @@ DECLARE_HINT = "run `rabbit-delay declare` to create them"
 
 @dataclass
 class QueueRow:
-    role: Role
+    """One queue of the topology as `status` judges it: its role and TTL, whether it
+    exists, the counts it shows (live where AMQP answered, else the management API's;
+    unacked and placement from the API), the age of a buffer's oldest message, and the
+    flags, notes and hints the rules below add. Not a `QueueCounts`: it merges the two
+    sources' counts and carries the verdict on them."""
+
+    role: QueueRole
     name: str
     ttl_ms: int | None
     exists: bool
@@ -146,10 +145,27 @@ class QueueRow:
         }
 
 
+def nonempty_buffers(topology: Topology, live: Mapping[str, QueueCounts | None]) -> list[str]:
+    """The tier buffers and cascade levels that hold ready messages."""
+    return [
+        name
+        for name, counts in live.items()
+        if counts is not None
+        and counts.ready
+        and topology.names.parse(name)[0] in (TIER_KIND, CASCADE_KIND)
+    ]
+
+
+def may_peek_buffers(topology: Topology, info: BrokerInfo) -> bool:
+    """Whether a buffer's head may be peeked on this broker: a classic queue has no
+    delivery limit; a quorum one only where a requeue cannot dead-letter it early."""
+    return topology.queue_type is QueueType.CLASSIC or info.peeks_quorum_buffers_freely
+
+
 def status_rows(
     topology: Topology,
-    live: Mapping[str, LiveCounts | None] | None,
-    api: Mapping[str, QueueStats] | None,
+    live: Mapping[str, QueueCounts | None] | None,
+    api: Mapping[str, QueueCounts] | None,
     *,
     heads: Mapping[str, int | None] | None = None,
     now_ms: int = 0,
@@ -200,12 +216,12 @@ def status_rows(
 
 
 def _age(
-    row: QueueRow, heads: Mapping[str, int | None] | None, stats: QueueStats | None, now: int
+    row: QueueRow, heads: Mapping[str, int | None] | None, stats: QueueCounts | None, now: int
 ) -> None:
     queued: int | None = None
     if heads is not None and row.name in heads:
         queued, row.age_source = heads[row.name], AGE_FROM_PEEK
-    elif row.role is Role.BUFFER and stats is not None and stats.head_timestamp is not None:
+    elif row.role is QueueRole.BUFFER and stats is not None and stats.head_timestamp is not None:
         # Not for cascade levels: a message reaches a lower level long after it was
         # published, and the timestamp is the publish time.
         queued, row.age_source = stats.head_timestamp * 1000, AGE_FROM_API
@@ -226,7 +242,7 @@ def _flag(topology: Topology, row: QueueRow) -> None:
         return
     held = (row.ready or 0) + (row.unacked or 0)
     if row.role in HUMAN_ROLES and held:
-        if row.role is Role.CATCH_ALL:
+        if row.role is QueueRole.CATCH_ALL:
             hint = "due messages that matched no queue; see `rabbit-delay replay --unroutable`"
         else:
             _, queue = topology.names.parse(row.name)
@@ -376,11 +392,12 @@ __all__ = [
     "HUMAN_ROLES",
     "STUCK_MARGIN_MS",
     "Attention",
-    "LiveCounts",
     "PluginStore",
+    "QueueRole",
     "QueueRow",
-    "Role",
     "Status",
+    "may_peek_buffers",
+    "nonempty_buffers",
     "oldest_cell",
     "placement_cells",
     "shows_placement",

@@ -37,11 +37,13 @@ import pika
 import pika.spec
 from pika.adapters.blocking_connection import BlockingChannel
 
+from rabbit_delay._broker import QueueCounts
 from rabbit_delay._envelope import now_ms
 from rabbit_delay._errors import ConfigError, MissingObjectError, PublishError, RabbitDelayError
-from rabbit_delay._ops.replay.execute import PassiveCounts, _stored, passive_counts
-from rabbit_delay._ops.replay.rules import Stored
+from rabbit_delay._ops.queues import passive_counts, queue_counts, stored
+from rabbit_delay._ops.stored import Stored
 from rabbit_delay._ops.transfer.rules import (
+    DEFAULT_TRANSFER_BATCH,
     Address,
     Leave,
     Move,
@@ -59,9 +61,8 @@ from rabbit_delay.sync._connection import broker_info
 from rabbit_delay.sync._errors import CLIENT_ERRORS, mapped, translate
 from rabbit_delay.sync._publisher import Publisher
 
-__all__ = ["DEFAULT_TRANSFER_BATCH", "MAX_PASSES", "Progress", "transfer"]
+__all__ = ["MAX_PASSES", "Progress", "transfer"]
 
-DEFAULT_TRANSFER_BATCH = 500
 # A run reads every source queue again while the previous round moved something: what
 # fell due into a business queue meanwhile, or dead-lettered between two cascade levels
 # while its level was read, is found by the next round.
@@ -84,10 +85,6 @@ def _address(connection: pika.BlockingConnection) -> Address:
     return str(params.host), int(params.port), str(params.virtual_host)
 
 
-def _counts(connection: pika.BlockingConnection, queue: str) -> PassiveCounts | None:
-    return passive_counts(connection, (queue,))[queue]
-
-
 class _Window:
     """One batch: a consumer with a prefetch of `size` on a channel of its own."""
 
@@ -108,7 +105,7 @@ class _Window:
         props: pika.spec.BasicProperties,
         body: bytes,
     ) -> None:
-        self.got.append((method.delivery_tag or 0, _stored(method, props, body)))
+        self.got.append((method.delivery_tag or 0, stored(method, props, body)))
         self.held += 1
 
     def fill(self) -> None:
@@ -123,7 +120,7 @@ class _Window:
                 continue
             if now - last < _IDLE_S:
                 continue
-            counts = _counts(self.connection, self.queue)
+            counts = queue_counts(self.connection, self.queue)
             if counts is None or counts.ready == 0 or now - last > _STALL_S:
                 break
         self.connection.process_data_events(0)  # dispatch what already came
@@ -208,7 +205,7 @@ class _Run:
         for tally in report.queues:
             found = counts[tally.source.name]
             tally.ready = found.ready if found is not None else None
-            tally.consumers = found.consumers if found is not None else 0
+            tally.consumers = (found.consumers or 0) if found is not None else 0
             if skip_reason(tally.source, tally.ready, tally.consumers) is None:
                 self.expected += tally.ready or 0
         if self.limit is not None:
@@ -235,13 +232,13 @@ class _Run:
         if round_no > 1 and tally.skipped is not None:
             return  # decided by the first round
         with mapped(f"checking queue {src.name!r}", permission="read"):
-            counts = _counts(self.source, src.name)
+            counts = queue_counts(self.source, src.name)
             if round_no == 1 and src.buffer and counts is not None and counts.consumers:
                 counts = self._without_the_dead(src.name, counts)
         ready = counts.ready if counts is not None else None
         # After the first round, consumers on a queue it read are its own, cancelled a
         # moment ago: a quorum queue may count them for a while (seen on 4.3).
-        consumers = counts.consumers if counts is not None and round_no == 1 else 0
+        consumers = (counts.consumers or 0) if counts is not None and round_no == 1 else 0
         reason = skip_reason(src, ready, consumers)
         if reason is not None:
             tally.skip(reason, ready)
@@ -284,14 +281,14 @@ class _Run:
             for window in windows:
                 window.release()
 
-    def _without_the_dead(self, queue: str, counts: PassiveCounts) -> PassiveCounts | None:
+    def _without_the_dead(self, queue: str, counts: QueueCounts) -> QueueCounts | None:
         """The counts of `queue` once the consumers of a run that just died are gone (the
         broker removes them a moment after their connection), or as they stay."""
         deadline = time.monotonic() + _DEAD_CONSUMER_S
-        found: PassiveCounts | None = counts
+        found: QueueCounts | None = counts
         while found is not None and found.consumers and time.monotonic() < deadline:
             time.sleep(0.2)
-            found = _counts(self.source, queue)
+            found = queue_counts(self.source, queue)
         return found
 
     def settle(self, window: _Window, tally: QueueTally) -> None:

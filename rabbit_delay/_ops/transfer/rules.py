@@ -11,7 +11,7 @@ acks the originals. `docs/transfer.md` tells the whole story.
 
 What a moved message keeps: body, message_id, content type, the application's headers,
 `rd-attempt`, `rd-due-at` and the delay first asked for (`rd-delay-ms`); the broker's
-headers go (`replay.replay_headers`). It waits what remains until `rd-due-at`
+headers go (`_ops.replay.rules.replay_headers`). It waits what remains until `rd-due-at`
 (`Router.resolve_remaining`): exactly through the target's cascade (rounded up to its
 resolution) or plugin, else through the shortest tier its target accepts that is not
 shorter; never early, and `Move.added_ms` is how late that makes it. Due already: to the
@@ -37,12 +37,14 @@ from rabbit_delay._broker import BrokerInfo
 from rabbit_delay._durations import format_ms, iso_ms
 from rabbit_delay._envelope import BINARY, Envelope, Outgoing, outgoing
 from rabbit_delay._errors import ConfigError, DecodeError, DelayError, UnknownTargetError
-from rabbit_delay._ops.replay.rules import Leave, Stored, replay_headers
+from rabbit_delay._ops.replay.rules import Leave, replay_headers
+from rabbit_delay._ops.stored import Stored
 from rabbit_delay._plan.desired import desired
 from rabbit_delay._topology.delays import Router
 from rabbit_delay._topology.model import QueueType, Topology
 
 __all__ = [
+    "DEFAULT_TRANSFER_BATCH",
     "Address",
     "Leave",
     "Move",
@@ -60,6 +62,10 @@ __all__ = [
     "target_queues",
     "transfer_notes",
 ]
+
+
+# Messages read, published and acked at a time (`transfer --batch`).
+DEFAULT_TRANSFER_BATCH = 500
 
 
 class SourceKind(StrEnum):

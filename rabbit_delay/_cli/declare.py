@@ -1,52 +1,37 @@
-"""declare, plan, publish."""
+"""`rabbit-delay plan` and `rabbit-delay declare`: what the topology needs on the broker,
+compared with what is there (the plan, read by the management API or passive declares),
+and declaring it."""
 
 from __future__ import annotations
 
-import json
-from datetime import timedelta
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
-from rabbit_delay._cli.app import (
-    EXIT_ERROR,
+from rabbit_delay._broker import BrokerInfo
+from rabbit_delay._cli.options import (
     EXIT_OK,
     EXIT_PENDING,
     JsonOpt,
+    MgmtOpt,
+    NoMgmtOpt,
     TopologyArg,
     TopologyOpt,
     UrlOpt,
-    app,
     errors_to_exit,
-    fail,
+    management_access,
     out,
     print_json,
     resolve_topology,
     url_for,
 )
-from rabbit_delay._durations import format_ms, iso_ms, parse_ms
-from rabbit_delay._errors import DeclarationConflict, DurationError
-from rabbit_delay._headers import H_DELAY_MS, H_DUE_AT, H_TIER
-from rabbit_delay._io.management import access_for, observe
+from rabbit_delay._errors import DeclarationConflict
+from rabbit_delay._io.management import observe
 from rabbit_delay._plan.diff import Change, Plan, PlanItem
+from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import redact
-
-MgmtOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--management-url",
-        help="Management API base URL (default: derived from --url; $RABBIT_DELAY_MANAGEMENT_URL).",
-        show_default=False,
-    ),
-]
-NoMgmtOpt = Annotated[
-    bool,
-    typer.Option(
-        "--no-management", help="Do not use the management API; probe with passive declares."
-    ),
-]
 
 _STYLE = {
     Change.CREATE: "yellow",
@@ -62,10 +47,6 @@ _DONE_WORDS = {
     Change.ENSURE: "ensured",
     Change.PRESENT: "in place",
 }
-
-
-# The one rule of which management API a command may use (rabbit_delay._io.management).
-management_access = access_for
 
 
 def _items_json(
@@ -107,6 +88,13 @@ def _table(
     return table
 
 
+def _print_plan(topology: Topology, broker: str, info: BrokerInfo, plan: Plan, source: str) -> None:
+    """The plan's table, titled with the broker it was read from, and how it was read."""
+    title = f"plan for {topology.names.prefix} on {redact(broker)} ({info.describe()})"
+    out.print(_table(escape(title), plan.items))
+    out.print(escape(f"read via {source}"))
+
+
 def _summary(plan: Plan) -> str:
     counts: dict[str, int] = {}
     for i in plan.items:
@@ -114,7 +102,6 @@ def _summary(plan: Plan) -> str:
     return ", ".join(f"{n} {a}" for a, n in counts.items())
 
 
-@app.command()
 def plan(
     file: TopologyArg = None,
     topology_file: TopologyOpt = None,
@@ -152,9 +139,7 @@ def plan(
             }
         )
     else:
-        title = f"plan for {topology.names.prefix} on {redact(broker)} ({info.describe()})"
-        out.print(_table(escape(title), result.items))
-        out.print(escape(f"read via {source}"))
+        _print_plan(topology, broker, info, result, source)
         for conflict in result.conflicts:
             out.print(f"[bold red]conflict:[/] {escape(conflict.describe())}")
         state = "in sync" if result.in_sync else "changes pending"
@@ -162,7 +147,6 @@ def plan(
     raise typer.Exit(EXIT_OK if result.in_sync else EXIT_PENDING)
 
 
-@app.command()
 def declare(
     file: TopologyArg = None,
     topology_file: TopologyOpt = None,
@@ -190,9 +174,7 @@ def declare(
             observed, source = observe(access, topology)
             before = sync_plan(connection, topology, observed=observed)
             if not as_json:
-                title = f"plan for {topology.names.prefix} on {redact(broker)} ({info.describe()})"
-                out.print(_table(escape(title), before.items))
-                out.print(escape(f"read via {source}"))
+                _print_plan(topology, broker, info, before, source)
             try:
                 report = sync_declare(connection, topology, observed=observed)
             except DeclarationConflict as exc:
@@ -229,135 +211,4 @@ def declare(
     )
 
 
-def _parse_delay(delay: str | None) -> timedelta | None:
-    if delay is None:
-        return None
-    try:
-        return timedelta(milliseconds=parse_ms(delay))
-    except DurationError as exc:
-        fail(f"--delay: {exc}", kind=type(exc).__name__)
-
-
-@app.command()
-def publish(
-    message: Annotated[
-        str, typer.Argument(help="JSON body, e.g. '{\"order_id\": 42}'; '-' reads stdin.")
-    ],
-    queue: Annotated[
-        str | None, typer.Option("--queue", "-q", help="Target business queue (logical name).")
-    ] = None,
-    routing_key: Annotated[
-        str | None, typer.Option("--routing-key", help="Target by a declared binding key.")
-    ] = None,
-    tier: Annotated[
-        str | None, typer.Option("--tier", "-t", help="Delay tier name, e.g. 30m.")
-    ] = None,
-    delay: Annotated[
-        str | None,
-        typer.Option(
-            "--delay",
-            "-d",
-            help=(
-                "Delay such as 90s; must match a tier unless the topology has a cascade or plugin."
-            ),
-        ),
-    ] = None,
-    message_id: Annotated[
-        str | None, typer.Option("--message-id", help="Idempotency key (default: generated).")
-    ] = None,
-    file: TopologyOpt = None,
-    url: UrlOpt = None,
-    as_json: JsonOpt = False,
-) -> None:
-    """Publish one delayed JSON message (confirmed, persistent, mandatory)."""
-    from rabbit_delay.sync import Publisher
-
-    if message == "-":
-        message = typer.get_text_stream("stdin").read()
-    try:
-        body = json.loads(message)
-    except json.JSONDecodeError as exc:
-        fail(f"MESSAGE is not valid JSON ({exc}); quote it, e.g. '{{\"order_id\": 42}}'")
-    if not isinstance(body, dict | list):
-        fail("MESSAGE must be a JSON object or array")
-    with errors_to_exit():
-        topology = resolve_topology(file)
-        # several URLs travel as one comma-separated string (the connect helpers split it)
-        with Publisher(topology, ",".join(url_for(url))) as publisher:
-            out_msg = publisher.prepare(
-                body,
-                tier,
-                queue=queue,
-                routing_key=routing_key,
-                delay=_parse_delay(delay),
-                message_id=message_id,
-            )
-            publisher.publish_outgoing((out_msg,))
-    due_at_ms = int(str(out_msg.headers[H_DUE_AT]))
-    delay_ms = int(str(out_msg.headers[H_DELAY_MS]))
-    result = {
-        "message_id": out_msg.message_id,
-        "exchange": out_msg.exchange,
-        "routing_key": out_msg.routing_key,
-        "tier": out_msg.headers[H_TIER],
-        "delay": format_ms(delay_ms),
-        "due_at": iso_ms(due_at_ms),
-        # the exact figures, for programs: the headers the message carries
-        "delay_ms": delay_ms,
-        "due_at_ms": due_at_ms,
-    }
-    if as_json:
-        print_json(result)
-    else:
-        out.print(
-            f"published {result['message_id']} via {result['exchange']} ({result['tier']}), "
-            f"due at {result['due_at']} (in {result['delay']})",
-            markup=False,
-        )
-
-
-@app.command("permissions")
-def permissions_command(
-    role: Annotated[
-        str, typer.Argument(help="declarer, publisher or worker (see docs/security.md).")
-    ],
-    file: TopologyOpt = None,
-    user: Annotated[str, typer.Option("--user", help="User name in the command.")] = "USER",
-    vhost: Annotated[
-        str | None,
-        typer.Option("--vhost", help="Vhost (default: the vhost of --url).", show_default=False),
-    ] = None,
-    url: UrlOpt = None,
-    as_json: JsonOpt = False,
-) -> None:
-    """Print the exact permissions ROLE needs on this topology, as a `rabbitmqctl
-    set_permissions` line (configure, write, read regexes). Connects to nothing."""
-    from rabbit_delay._plan.permissions import Role
-    from rabbit_delay._plan.permissions import permissions as role_permissions
-    from rabbit_delay._urls import vhost_of
-
-    with errors_to_exit():
-        try:
-            chosen = Role(role)
-        except ValueError:
-            fail(f"unknown role {role!r}: choose one of {', '.join(r.value for r in Role)}")
-        topology = resolve_topology(file)
-        granted = role_permissions(topology, chosen)
-        vhost = vhost if vhost is not None else vhost_of(url_for(url)[0])
-    command = granted.rabbitmqctl(user, vhost)
-    if as_json:
-        print_json(
-            {
-                "role": chosen.value,
-                "namespace": topology.names.prefix,
-                "vhost": vhost,
-                **granted.as_json(),
-                "rabbitmqctl": command,
-            }
-        )
-        return
-    out.print(f"# {chosen.value} of {topology.names.prefix} (docs/security.md)", markup=False)
-    out.print(command, markup=False)
-
-
-__all__ = ["EXIT_ERROR", "declare", "plan", "publish"]
+__all__ = ["declare", "plan"]
