@@ -11,21 +11,22 @@ order and backoff between rounds, and the shutdown's cadence.
     -------------------  ------------------------------------------  ---------------------------
     Connect(urls)        connects to the first of `urls` that        Connected(url, broker), or
                          answers and reads the broker's version      the error (the error tree)
-    Declare()            declares the topology                       None, or the error
+    DECLARE              declares the topology                       None, or the error
     CheckQueue(name)     passive declare of one business queue       True, False (absent), or
                                                                      the error
-    Consume()            opens the consuming channel (prefetch, a    None, or the error
+    CONSUME              opens the consuming channel (prefetch, a    None, or the error
                          publisher for copies) and consumes every
                          queue: deliveries start flowing
-    Serve()              runs until asked to stop or the connection  STOPPED, or Lost(reason)
+    SERVE                runs until asked to stop or the connection  STOPPED, or Lost(reason)
                          (or the consuming channel) is lost
-    Close()              closes the connection, quietly              None
-    Wait(seconds)        waits, unless asked to stop meanwhile       True if asked to stop
-    Cancel()             cancels the consumers: the stop begins      None, or Lost(reason)
-    Drain(seconds)       lets deliveries in flight settle, up to     Drained(unsettled, forced),
-                         `seconds` or a forced stop                  or Lost(reason)
-    WaitRunning(seconds) after the close: waits up to `seconds` for  handlers still running
-                         running handlers to record their results    (0: done, or forced)
+    CLOSE                closes the connection, quietly              None
+    CANCEL               cancels the consumers: the stop begins      None, or Lost(reason)
+    Wait(STOP, s)        waits `s` before a reconnect round, unless  True if asked to stop
+                         asked to stop meanwhile
+    Wait(SETTLED, s)     lets deliveries in flight settle, up to `s` Drained(unsettled, forced),
+                         or a forced stop                            or Lost(reason)
+    Wait(RECORDED, s)    after the close: up to `s` for running      handlers still running
+                         handlers to record their results            (0: done, or forced)
 
 A reply that is an exception, to a start's step, ends the program with it: the worker
 cannot start (`run()` raises it). During a reconnect round, the same exception is a
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Protocol
 
 from rabbit_delay._broker import BrokerInfo
@@ -49,9 +51,45 @@ from rabbit_delay._errors import MissingObjectError
 STILL_RUNNING_NOTE_S = 10.0
 
 
+class Act(Enum):
+    """The steps that carry nothing but their name (the table above)."""
+
+    DECLARE = "declare"
+    CONSUME = "consume"
+    SERVE = "serve"
+    CLOSE = "close"
+    CANCEL = "cancel"
+
+
+DECLARE, CONSUME, SERVE = Act.DECLARE, Act.CONSUME, Act.SERVE
+CLOSE, CANCEL = Act.CLOSE, Act.CANCEL
+
+
+class Until(Enum):
+    """What a Wait step waits for, at most its `seconds`."""
+
+    STOP = "stop"  # the backoff before a reconnect round: ends early when asked to stop
+    SETTLED = "settled"  # the drain: deliveries in flight settled (or a forced stop)
+    RECORDED = "recorded"  # after the close: running handlers recorded their results
+
+
 @dataclass(frozen=True, slots=True)
 class Connect:
     urls: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckQueue:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    until: Until
+    seconds: float
+
+
+# -- replies ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,55 +99,8 @@ class Connected:
 
 
 @dataclass(frozen=True, slots=True)
-class Declare:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class CheckQueue:
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class Consume:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class Serve:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
 class Lost:
     reason: str  # redacted
-
-
-class Stopped:
-    """The reply to Serve when the worker was asked to stop."""
-
-    def __repr__(self) -> str:
-        return "STOPPED"
-
-
-@dataclass(frozen=True, slots=True)
-class Close:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class Wait:
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class Cancel:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class Drain:
-    seconds: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,16 +109,15 @@ class Drained:
     forced: bool  # the stop was forced (a second signal, stop(force=True))
 
 
-@dataclass(frozen=True, slots=True)
-class WaitRunning:
-    seconds: float
+class Stopped:
+    """The reply to SERVE when the worker was asked to stop."""
+
+    def __repr__(self) -> str:
+        return "STOPPED"
 
 
 STOPPED = Stopped()
-DECLARE, CONSUME, SERVE, CLOSE, CANCEL = Declare(), Consume(), Serve(), Close(), Cancel()
-LifecycleStep = (
-    Connect | Declare | CheckQueue | Consume | Serve | Close | Wait | Cancel | Drain | WaitRunning
-)
+LifecycleStep = Act | Connect | CheckQueue | Wait
 Lifecycle = Generator[LifecycleStep, object, None]
 
 
@@ -157,13 +147,13 @@ def lifecycle_program(worker: Target, events: WorkerEvents) -> Lifecycle:
     if url is not None:  # connected: cancel, drain, close
         drained = yield CANCEL
         if not isinstance(drained, Lost):
-            drained = yield Drain(worker.settings.shutdown_timeout_s)
+            drained = yield Wait(Until.SETTLED, worker.settings.shutdown_timeout_s)
         if isinstance(drained, Lost):  # nothing more can be settled on it
             events.connection_lost_at_stop(drained.reason)
         elif isinstance(drained, Drained) and drained.unsettled:
             events.shutdown_timeout(drained.unsettled, drained.forced)
         yield CLOSE
-    while running := (yield WaitRunning(STILL_RUNNING_NOTE_S)):
+    while running := (yield Wait(Until.RECORDED, STILL_RUNNING_NOTE_S)):
         events.still_running(_count(running))
 
 
@@ -202,7 +192,7 @@ def _reconnect(
         except Exception as exc:  # the next node may lack the topology, refuse the user...
             delay = next(delays)
             events.reconnect_failed(str(exc) or repr(exc), delay, len(urls))
-            if (yield Wait(delay)) is True:
+            if (yield Wait(Until.STOP, delay)) is True:
                 return None
             continue
         events.reconnected(url)
@@ -235,23 +225,18 @@ __all__ = [
     "SERVE",
     "STILL_RUNNING_NOTE_S",
     "STOPPED",
-    "Cancel",
+    "Act",
     "CheckQueue",
-    "Close",
     "Connect",
     "Connected",
-    "Consume",
-    "Declare",
-    "Drain",
     "Drained",
     "Lifecycle",
     "LifecycleStep",
     "Lost",
-    "Serve",
     "Stopped",
     "Target",
+    "Until",
     "Wait",
-    "WaitRunning",
     "lifecycle_program",
     "missing_queue",
 ]

@@ -73,14 +73,6 @@ class Report(WorkerEvents, Protocol):
         """A consumer the broker cancelled consumes again, under `tag`."""
 
 
-ReportFactory = Callable[["WorkerCore", "Metrics | None"], Report]
-TracerSource = Callable[[], DeliveryTracer | None]
-
-
-def _no_tracer() -> None:
-    return None
-
-
 def worker_identity() -> str:
     """host:pid:random, the prefix of every idempotency owner token of one worker.
 
@@ -112,8 +104,6 @@ class WorkerCore:
         app: App,
         url: str | Sequence[str] | None = None,
         *,
-        report: ReportFactory,
-        tracer: TracerSource | None = None,
         queues: Sequence[str] | None = None,
         prefetch: int | None = None,
         concurrency: int | None = None,
@@ -152,13 +142,27 @@ class WorkerCore:
         # UTC epoch ms for the programs (due times, failure times, leases): the wall
         # clock; the in-memory worker of rabbit_delay.testing reads its virtual one.
         self.clock: Callable[[], int] = clock_ms
-        self._tracer: TracerSource = tracer if tracer is not None else _no_tracer
         self._wanted = desired(app.topology)
         self._seq = itertools.count(1)
         self._phase = Phase.STARTING
         self._beat: float | None = None  # monotonic time of the loop's last beat
-        self.report: Report = report(self, metrics)
+        self.report = self.make_report(metrics)
         self.new_channel()
+        self._prepare()
+
+    # -- what each transport hands in ------------------------------------------------------
+
+    def make_report(self, metrics: Metrics | None) -> Report:
+        """The worker's report: counters, logs and metrics (the core counts and logs
+        nothing itself)."""
+        raise NotImplementedError
+
+    def tracer(self) -> DeliveryTracer | None:
+        """Where the spans of a delivery come from, asked per delivery (None: none)."""
+        return None
+
+    def _prepare(self) -> None:
+        """The transport's own state, set up once the core's is (no I/O)."""
 
     # -- settings, as read by the drivers ---------------------------------------------------
 
@@ -201,7 +205,7 @@ class WorkerCore:
             lease_ms=self.leases.lease_ms,
             clock=self.clock,
         )
-        tracer = self._tracer()
+        tracer = self.tracer()
         if tracer is None:
             return program
         queue_name = self.app.topology.names.business_queue(consumer.queue)
@@ -304,4 +308,4 @@ class WorkerCore:
         return None if stopping else consumer
 
 
-__all__ = ["DeliveryTracer", "Report", "ReportFactory", "WorkerCore", "worker_identity"]
+__all__ = ["DeliveryTracer", "Report", "WorkerCore", "worker_identity"]

@@ -35,12 +35,12 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from functools import partial
 from queue import SimpleQueue
-from typing import Any, Unpack
+from typing import Any
 
 import aiormq
 import aiormq.exceptions
@@ -49,9 +49,10 @@ from aiormq.abc import AbstractChannel as RawChannel
 from aiormq.abc import DeliveredMessage
 from pamqp.commands import Basic
 
+import rabbit_delay._consumer.lifecycle as lc
 from rabbit_delay._broker import UNKNOWN, BrokerInfo
 from rabbit_delay._consumer.acks import AckTracker
-from rabbit_delay._consumer.app import App, Consumer, Transport
+from rabbit_delay._consumer.app import Consumer, Transport
 from rabbit_delay._consumer.context import clock_ms
 from rabbit_delay._consumer.delivery import (
     STALE,
@@ -69,28 +70,13 @@ from rabbit_delay._consumer.delivery import (
 )
 from rabbit_delay._consumer.handlers import call_async_handler, call_handler
 from rabbit_delay._consumer.housekeeping import Renew, Sleep
-from rabbit_delay._consumer.lifecycle import (
-    STOPPED,
-    Cancel,
-    CheckQueue,
-    Close,
-    Connect,
-    Connected,
-    Declare,
-    Drain,
-    Drained,
-    LifecycleStep,
-    Lost,
-    Serve,
-    Wait,
-    WaitRunning,
-)
-from rabbit_delay._consumer.settings import WorkerOptions
 from rabbit_delay._consumer.worker import WorkerCore
 from rabbit_delay._errors import BrokerError, PublishError, RabbitDelayError
 from rabbit_delay._idempotency.guard import AsyncGuard
 from rabbit_delay._observe import tracing
+from rabbit_delay._observe.metrics import Metrics
 from rabbit_delay._observe.report import WorkerReport
+from rabbit_delay._observe.tracing import OpenTelemetry
 from rabbit_delay._urls import redact
 from rabbit_delay.aio._connection import broker_info, close_quietly, connect_first
 from rabbit_delay.aio._declarer import declare as declare_topology
@@ -130,13 +116,13 @@ class AsyncWorker(WorkerCore):
     default_concurrency = 16
     report: WorkerReport
 
-    def __init__(
-        self,
-        app: App,
-        url: str | Sequence[str] | None = None,
-        **options: Unpack[WorkerOptions],
-    ) -> None:
-        super().__init__(app, url, report=WorkerReport, tracer=tracing.active, **options)
+    def make_report(self, metrics: Metrics | None) -> WorkerReport:
+        return WorkerReport(self, metrics)
+
+    def tracer(self) -> OpenTelemetry | None:
+        return tracing.active()
+
+    def _prepare(self) -> None:
         self._stop_requested = False
         self._force = False  # abandon running handlers (second signal)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -201,7 +187,7 @@ class AsyncWorker(WorkerCore):
                     step = lifecycle.send(reply)
                 except StopIteration:
                     break
-                if reconciling is None and type(step) is Serve:  # started: reconcile too
+                if reconciling is None and step is lc.SERVE:  # started: reconcile too
                     reconciling = self._start_reconciling()
                     if self._guard is not None:
                         housekeeping = asyncio.create_task(self._housekeeping(self._guard))
@@ -250,43 +236,38 @@ class AsyncWorker(WorkerCore):
 
     # -- the lifecycle program's steps ------------------------------------------------------
 
-    async def _execute_step(self, step: LifecycleStep) -> object:
+    async def _execute_step(self, step: lc.LifecycleStep) -> object:
         """One step of the lifecycle program (consumer/lifecycle.py); its reply."""
-        kind = type(step)
-        if kind is Serve:
+        if step is lc.SERVE:
             return await self._serve()
-        if kind is Close:
+        if step is lc.CLOSE:
             await self._close_connection()
             return None
-        if kind is Wait:
-            return await self._wait(step.seconds)  # type: ignore[union-attr]
-        if kind is Drain:
-            return await self._drain(step.seconds)  # type: ignore[union-attr]
-        if kind is WaitRunning:
-            return await self._wait_running(step.seconds)  # type: ignore[union-attr]
-        if kind is Cancel:
+        if step is lc.CANCEL:
             return await self._cancel()
+        if isinstance(step, lc.Wait):
+            return await self._wait(step)
         try:
-            if kind is Connect:
-                return await self._connect(step.urls)  # type: ignore[union-attr]
+            if isinstance(step, lc.Connect):
+                return await self._connect(step.urls)
             connection = self._connection
             assert connection is not None
-            if kind is CheckQueue:
-                return await _queue_exists(connection, step.name)  # type: ignore[union-attr]
-            if kind is Declare:
+            if isinstance(step, lc.CheckQueue):
+                return await _queue_exists(connection, step.name)
+            if step is lc.DECLARE:
                 await declare_topology(connection, self.app.topology)
-                return None
-            await self._consume_all(connection)
+            else:
+                await self._consume_all(connection)
         except _STEP_ERRORS as exc:
             return exc
         return None
 
-    async def _connect(self, urls: tuple[str, ...]) -> Connected:
+    async def _connect(self, urls: tuple[str, ...]) -> lc.Connected:
         connection, url = await connect_first(
             urls, name=self.name, settings=self.settings.connection
         )
         self._connection, self.url, self._broker = connection, url, broker_info(connection)
-        return Connected(url, self._broker)
+        return lc.Connected(url, self._broker)
 
     async def _consume_all(self, connection: AbstractConnection) -> None:
         """Open the consuming channel (prefetch, a publisher for copies) and consume
@@ -330,11 +311,18 @@ class AsyncWorker(WorkerCore):
         for waiter in waiters:
             waiter.cancel()
         if stop.is_set():
-            return STOPPED
+            return lc.STOPPED
         self.started.clear()
-        return Lost(self._lost_reason)
+        return lc.Lost(self._lost_reason)
 
-    async def _wait(self, seconds: float) -> bool:
+    async def _wait(self, step: lc.Wait) -> object:
+        if step.until is lc.Until.STOP:
+            return await self._backoff(step.seconds)
+        if step.until is lc.Until.SETTLED:
+            return await self._drain(step.seconds)
+        return await self._wait_running(step.seconds)
+
+    async def _backoff(self, seconds: float) -> bool:
         """Wait before the next reconnect round; True if asked to stop meanwhile."""
         stop = self._stop
         assert stop is not None
@@ -351,10 +339,10 @@ class AsyncWorker(WorkerCore):
                 for tag in self.consumer_tags():
                     await raw.basic_cancel(tag)
         except _CHANNEL_GONE as exc:
-            return Lost(redact(repr(exc)))
+            return lc.Lost(redact(repr(exc)))
         return None
 
-    async def _drain(self, seconds: float) -> Drained:
+    async def _drain(self, seconds: float) -> lc.Drained:
         """Let in-flight deliveries settle, up to `seconds` (or a forced stop), and their
         acks reach the wire."""
         idle = self._idle
@@ -369,7 +357,7 @@ class AsyncWorker(WorkerCore):
         self._flush()
         if self._ack_writes:
             await asyncio.wait(list(self._ack_writes), timeout=5)
-        return Drained(unsettled, self._force)
+        return lc.Drained(unsettled, self._force)
 
     async def _wait_running(self, seconds: float) -> int:
         """After the connection closed: let running handlers record their results in the

@@ -34,21 +34,21 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from functools import partial
 from queue import SimpleQueue
-from typing import Any, Unpack
+from typing import Any
 
 import pika
 import pika.exceptions
 import pika.spec
 from pika.adapters.blocking_connection import BlockingChannel
 
+import rabbit_delay._consumer.lifecycle as lc
 from rabbit_delay._broker import UNKNOWN, BrokerInfo
 from rabbit_delay._consumer.acks import AckTracker
-from rabbit_delay._consumer.app import App, Consumer, Transport
+from rabbit_delay._consumer.app import Consumer, Transport
 from rabbit_delay._consumer.context import clock_ms
 from rabbit_delay._consumer.delivery import (
     STALE,
@@ -69,28 +69,13 @@ from rabbit_delay._consumer.delivery import (
 from rabbit_delay._consumer.handlers import call_handler
 from rabbit_delay._consumer.housekeeping import Renew, Sleep
 from rabbit_delay._consumer.leases import claim_with, finish_with
-from rabbit_delay._consumer.lifecycle import (
-    STOPPED,
-    Cancel,
-    CheckQueue,
-    Close,
-    Connect,
-    Connected,
-    Declare,
-    Drain,
-    Drained,
-    LifecycleStep,
-    Lost,
-    Serve,
-    Wait,
-    WaitRunning,
-)
-from rabbit_delay._consumer.settings import WorkerOptions
 from rabbit_delay._consumer.worker import WorkerCore
 from rabbit_delay._errors import BrokerError, BrokerUnavailable, PublishError, RabbitDelayError
 from rabbit_delay._idempotency.guard import Guard
 from rabbit_delay._observe import tracing
+from rabbit_delay._observe.metrics import Metrics
 from rabbit_delay._observe.report import WorkerReport
+from rabbit_delay._observe.tracing import OpenTelemetry
 from rabbit_delay._stop_signals import install_stop_signals
 from rabbit_delay._urls import redact
 from rabbit_delay.sync._connection import broker_info, close_quietly, connect_first
@@ -153,14 +138,14 @@ class Worker(WorkerCore):
     default_concurrency = 4
     report: WorkerReport
 
-    def __init__(
-        self,
-        app: App,
-        url: str | Sequence[str] | None = None,
-        **options: Unpack[WorkerOptions],
-    ) -> None:
-        super().__init__(app, url, report=WorkerReport, tracer=tracing.active, **options)
-        self._guard: Guard | None = app.guard() if self.guarded else None
+    def make_report(self, metrics: Metrics | None) -> WorkerReport:
+        return WorkerReport(self, metrics)
+
+    def tracer(self) -> OpenTelemetry | None:
+        return tracing.active()
+
+    def _prepare(self) -> None:
+        self._guard: Guard | None = self.app.guard() if self.guarded else None
         self._stop = threading.Event()
         self._force = threading.Event()  # abandon running handlers (second signal)
         self._stopping = False  # set on the connection thread when the drain begins
@@ -216,7 +201,7 @@ class Worker(WorkerCore):
                     step = lifecycle.send(reply)
                 except StopIteration:
                     break
-                if reconciling is None and type(step) is Serve:  # started: reconcile too
+                if reconciling is None and step is lc.SERVE:  # started: reconcile too
                     reconciling = self._start_reconciling()
                 reply = self._execute(step)
         finally:
@@ -320,31 +305,26 @@ class Worker(WorkerCore):
 
     # -- the lifecycle program's steps (connection thread) --------------------------------
 
-    def _execute(self, step: LifecycleStep) -> object:
+    def _execute(self, step: lc.LifecycleStep) -> object:
         """One step of the lifecycle program (consumer/lifecycle.py); its reply."""
-        kind = type(step)
-        if kind is Serve:
+        if step is lc.SERVE:
             return self._serve()
-        if kind is Connect:
-            return self._connect(step.urls)  # type: ignore[union-attr]
-        if kind is Close:
+        if step is lc.CLOSE:
             self._close_connection()
             return None
-        if kind is Wait:
-            return self._wait(step.seconds)  # type: ignore[union-attr]
-        if kind is Drain:
-            return self._drain_all(step.seconds)  # type: ignore[union-attr]
-        if kind is WaitRunning:
-            return self._wait_running(step.seconds)  # type: ignore[union-attr]
-        if kind is Cancel:
+        if step is lc.CANCEL:
             return self._cancel()
+        if isinstance(step, lc.Wait):
+            return self._wait(step)
         try:
-            if kind is CheckQueue:
-                return _queue_exists(self._connection(), step.name)  # type: ignore[union-attr]
-            if kind is Declare:
+            if isinstance(step, lc.Connect):
+                return self._connect(step.urls)
+            if isinstance(step, lc.CheckQueue):
+                return _queue_exists(self._connection(), step.name)
+            if step is lc.DECLARE:
                 declare_topology(self._connection(), self.app.topology)
-                return None
-            self._consume_all()
+            else:
+                self._consume_all()
         except _STEP_ERRORS as exc:
             return exc
         return None
@@ -354,14 +334,11 @@ class Worker(WorkerCore):
         assert conn is not None
         return conn
 
-    def _connect(self, urls: tuple[str, ...]) -> object:
+    def _connect(self, urls: tuple[str, ...]) -> lc.Connected:
         self.beat()
-        try:
-            conn, url = connect_first(urls, name=self.name, settings=self.settings.connection)
-        except _STEP_ERRORS as exc:
-            return exc
+        conn, url = connect_first(urls, name=self.name, settings=self.settings.connection)
         self._conn, self.url, self._broker = conn, url, broker_info(conn)
-        return Connected(url, self._broker)
+        return lc.Connected(url, self._broker)
 
     def _consume_all(self) -> None:
         """Open the consuming channel (prefetch, a publisher for copies) and consume
@@ -395,10 +372,17 @@ class Worker(WorkerCore):
             if not self._stop.is_set():
                 why = self._why(exc)
                 self._lost()
-                return Lost(why)
-        return STOPPED
+                return lc.Lost(why)
+        return lc.STOPPED
 
-    def _wait(self, seconds: float) -> bool:
+    def _wait(self, step: lc.Wait) -> object:
+        if step.until is lc.Until.STOP:
+            return self._backoff(step.seconds)
+        if step.until is lc.Until.SETTLED:
+            return self._drain_all(step.seconds)
+        return self._wait_running(step.seconds)
+
+    def _backoff(self, seconds: float) -> bool:
         """Wait before the next reconnect round; True if asked to stop meanwhile."""
         deadline = time.monotonic() + seconds
         while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
@@ -416,7 +400,7 @@ class Worker(WorkerCore):
                 channel.basic_cancel(tag)
         except _CONNECTION_ERRORS as exc:
             self._gen += 1
-            return Lost(self._why(exc))
+            return lc.Lost(self._why(exc))
         return None
 
     def _drain_all(self, seconds: float) -> object:
@@ -432,9 +416,9 @@ class Worker(WorkerCore):
                 self._drain()
         except _CONNECTION_ERRORS as exc:
             self._gen += 1
-            return Lost(self._why(exc))
+            return lc.Lost(self._why(exc))
         self._gen += 1  # what settles from now on cannot be acked
-        return Drained(self._inflight, self._force.is_set())
+        return lc.Drained(self._inflight, self._force.is_set())
 
     def _wait_running(self, seconds: float) -> int:
         """After the connection closed: let running handlers record their results in the

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+import rabbit_delay._consumer.lifecycle as lc
 from rabbit_delay._consumer.app import App, Consumer, Transport, _is_async_store
 from rabbit_delay._consumer.context import HandlerContext
 from rabbit_delay._consumer.decide import (
@@ -50,28 +51,15 @@ from rabbit_delay._consumer.delivery import (
 from rabbit_delay._consumer.handlers import call_async_handler, call_handler
 from rabbit_delay._consumer.housekeeping import Renew, Sleep
 from rabbit_delay._consumer.leases import claim_with, finish_with
-from rabbit_delay._consumer.lifecycle import (
-    STOPPED,
-    Cancel,
-    CheckQueue,
-    Close,
-    Connect,
-    Connected,
-    Consume,
-    Declare,
-    Drain,
-    Drained,
-    Lifecycle,
-    LifecycleStep,
-    Serve,
-)
 from rabbit_delay._consumer.outcome import Outcome
 from rabbit_delay._consumer.settings import DEFAULT_SHUTDOWN_TIMEOUT_S
 from rabbit_delay._consumer.worker import WorkerCore
 from rabbit_delay._errors import BrokerError, ConfigError, PublishError, RabbitDelayError
 from rabbit_delay._idempotency.guard import ClaimResult, Guard, IdempotencyStore
 from rabbit_delay._observe import tracing
+from rabbit_delay._observe.metrics import Metrics
 from rabbit_delay._observe.report import WorkerReport
+from rabbit_delay._observe.tracing import OpenTelemetry
 from rabbit_delay._stores.memory import MemoryStore
 from rabbit_delay.testing._broker import Channel, Delivered, KitError, MemoryBroker
 from rabbit_delay.testing._publisher import MemoryPublisher
@@ -145,6 +133,12 @@ class MemoryWorker(WorkerCore):
     default_concurrency = 16
     report: WorkerReport
 
+    def make_report(self, metrics: Metrics | None) -> WorkerReport:
+        return WorkerReport(self, metrics)
+
+    def tracer(self) -> OpenTelemetry | None:
+        return tracing.active()
+
     def __init__(
         self,
         app: App,
@@ -162,8 +156,6 @@ class MemoryWorker(WorkerCore):
         super().__init__(
             app,
             MEMORY_URL,
-            report=WorkerReport,
-            tracer=tracing.active,
             queues=queues,
             prefetch=prefetch,
             concurrency=concurrency,
@@ -187,7 +179,7 @@ class MemoryWorker(WorkerCore):
         self.publisher = MemoryPublisher(app.topology, broker, metrics=metrics)
         self.records: list[Handled] = []
         self._channel: Channel | None = None
-        self._lifecycle: Lifecycle | None = None
+        self._lifecycle: lc.Lifecycle | None = None
         self._force = False
         self._gen = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -211,27 +203,25 @@ class MemoryWorker(WorkerCore):
             raise KitError("this in-memory worker was started already; make a new one")
         lifecycle = self._lifecycle = self.lifecycle()
         reply: object = None
-        while type(step := lifecycle.send(reply)) is not Serve:
+        while (step := lifecycle.send(reply)) is not lc.SERVE:
             reply = self._start_step(step)
         return self
 
-    def _start_step(self, step: LifecycleStep) -> object:
+    def _start_step(self, step: lc.LifecycleStep) -> object:
         """A step of the lifecycle program before it serves."""
         broker = self.broker
-        kind = type(step)
-        if kind is Connect:
-            return Connected(self.url, broker.info)
-        if kind is CheckQueue:
-            return broker.has_queue(step.name)  # type: ignore[union-attr]
-        if kind is Declare:
+        if isinstance(step, lc.Connect):
+            return lc.Connected(self.url, broker.info)
+        if isinstance(step, lc.CheckQueue):
+            return broker.has_queue(step.name)
+        if step is lc.DECLARE:
             try:
                 broker.declare(self.app.topology)
             except RabbitDelayError as exc:
                 return exc
-            return None
-        if kind is Consume:
+        elif step is lc.CONSUME:
             self._consume_all()
-        return None  # Close: nothing was opened
+        return None  # CLOSE: nothing was opened
 
     def _consume_all(self) -> None:
         broker = self.broker
@@ -281,7 +271,7 @@ class MemoryWorker(WorkerCore):
     async def _shutdown(self) -> None:
         lifecycle = self._lifecycle
         assert lifecycle is not None
-        reply: object = STOPPED
+        reply: object = lc.STOPPED
         while True:
             try:
                 step = lifecycle.send(reply)
@@ -290,39 +280,35 @@ class MemoryWorker(WorkerCore):
             reply = await self._stop_step(step)
         self._finish_stop()
 
-    async def _stop_step(self, step: LifecycleStep) -> object:
+    async def _stop_step(self, step: lc.LifecycleStep) -> object:
         """A step of the lifecycle program after it served, in virtual time."""
         channel = self._channel
         assert channel is not None
-        kind = type(step)
-        loop = asyncio.get_running_loop()
-        if kind is Cancel:
+        if step is lc.CANCEL:
             self._stopping = True
             for tag in self.consumer_tags():
                 channel.cancel(tag)
             return None
-        if kind is Drain:
-            deadline = loop.time() + step.seconds  # type: ignore[union-attr]
-            while self.busy() and not self._force and loop.time() < deadline:
-                if self._tasks:
-                    await asyncio.wait(list(self._tasks), timeout=deadline - loop.time())
-                else:
-                    await asyncio.sleep(0)  # deliveries about to start: they are handed back
-            self._gen += 1  # what settles from now on cannot be acked
-            return Drained(len(self._tasks), self._force)
-        if kind is Close:
+        if step is lc.CLOSE:
             channel.close()  # the broker takes back what is unacked
             if self._force:
                 for task in self._tasks:
                     task.cancel()
             return None
-        # WaitRunning: running handlers record their results (never acked)
-        deadline = loop.time() + step.seconds  # type: ignore[union-attr]
-        while self.busy() and loop.time() < deadline:
+        assert isinstance(step, lc.Wait)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + step.seconds
+        # SETTLED: deliveries in flight settle (a forced stop waits for none);
+        # RECORDED: running handlers record their results (never acked)
+        settling = step.until is lc.Until.SETTLED
+        while self.busy() and not (settling and self._force) and loop.time() < deadline:
             if self._tasks:
                 await asyncio.wait(list(self._tasks), timeout=deadline - loop.time())
             else:
-                await asyncio.sleep(0)
+                await asyncio.sleep(0)  # deliveries about to start: they are handed back
+        if settling:
+            self._gen += 1  # what settles from now on cannot be acked
+            return lc.Drained(len(self._tasks), self._force)
         return len(self._tasks)
 
     def _finish_stop(self) -> None:

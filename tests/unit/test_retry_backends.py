@@ -199,11 +199,14 @@ class _Worker(WorkerCore):
     transport = Transport.SYNC
     default_concurrency = 1
 
+    def make_report(self, metrics: Any) -> WorkerReport:
+        return WorkerReport(self, metrics)
+
 
 def test_workers_share_one_start_check() -> None:
     app = App(shop(NATIVE), store=MemoryStore())
     app.add_consumer("mail", lambda message: None)
-    worker = _Worker(app, "amqp://guest:guest@127.0.0.1:5672/%2F", report=WorkerReport)
+    worker = _Worker(app, "amqp://guest:guest@127.0.0.1:5672/%2F")
     with pytest.raises(IncompatibleBroker, match=r"4\.0\.5"):
         worker.check_broker(BROKER_4_0)
     worker.check_broker(BROKER_4_3)

@@ -190,17 +190,17 @@ class Base(WorkerCore):
     transport = Transport.SYNC
     default_concurrency = 1
 
+    def make_report(self, metrics: Any) -> WorkerReport:
+        return WorkerReport(self, metrics)
+
+    def tracer(self) -> Any:
+        return tracing.active()
+
 
 def worker_for(handler: Any) -> tuple[WorkerCore, App]:
     app = App(make_topology(), store=MemoryStore())
     app.add_consumer("orders", handler)
-    worker = Base(
-        app,
-        "amqp://guest:guest@127.0.0.1:1/%2F",
-        report=WorkerReport,
-        tracer=tracing.active,
-        install_signal_handlers=False,
-    )
+    worker = Base(app, "amqp://guest:guest@127.0.0.1:1/%2F", install_signal_handlers=False)
     return worker, app
 
 
