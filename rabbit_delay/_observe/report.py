@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rabbit_delay._broker import BrokerInfo, is_consumer_timeout
 from rabbit_delay._consumer.decide import (
@@ -25,16 +25,15 @@ from rabbit_delay._consumer.decide import (
 from rabbit_delay._consumer.delivery import Settled
 from rabbit_delay._consumer.handlers import Timer
 from rabbit_delay._consumer.outcome import OUTCOMES, Outcome
+from rabbit_delay._consumer.worker import WorkerCore
 from rabbit_delay._durations import format_ms
 from rabbit_delay._envelope import text_header
 from rabbit_delay._headers import H_ASKED_DUE_AT, H_DELAY_MS, H_DUE_AT, H_TIER
+from rabbit_delay._observe import tracing
 from rabbit_delay._observe.logs import delivery_fields
 from rabbit_delay._observe.metrics import Metrics, deviation_s, late_s, tier_label
 from rabbit_delay._topology.delays import CASCADE, IMMEDIATE, PLUGIN
 from rabbit_delay._urls import redact
-
-if TYPE_CHECKING:
-    from rabbit_delay._consumer.worker import WorkerCore
 
 log = logging.getLogger("rabbit_delay.worker")
 
@@ -412,6 +411,20 @@ class WorkerReport:
         log.warning("idempotency purge failed: %r", error)
 
 
+class ReportingWorker(WorkerCore):
+    """What every transport's worker is: a WorkerCore that reports through a
+    WorkerReport and traces its deliveries with OpenTelemetry where the application
+    uses it (rabbit_delay._observe.tracing)."""
+
+    report: WorkerReport
+
+    def make_report(self, metrics: Metrics | None) -> WorkerReport:
+        return WorkerReport(self, metrics)
+
+    def tracer(self) -> tracing.OpenTelemetry | None:
+        return tracing.active()
+
+
 def _store_failed(settled: Settled) -> None:
     fields_ = delivery_fields(settled.queue, settled.message_id, settled.attempt, settled.tier)
     if settled.store_error_on == "claim":
@@ -430,4 +443,4 @@ def _store_failed(settled: Settled) -> None:
         )
 
 
-__all__ = ["WorkerMetrics", "WorkerReport", "WorkerStats", "log_action"]
+__all__ = ["ReportingWorker", "WorkerMetrics", "WorkerReport", "WorkerStats", "log_action"]

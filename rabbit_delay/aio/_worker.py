@@ -49,34 +49,17 @@ from aiormq.abc import AbstractChannel as RawChannel
 from aiormq.abc import DeliveredMessage
 from pamqp.commands import Basic
 
+import rabbit_delay._consumer.delivery as dp
 import rabbit_delay._consumer.lifecycle as lc
 from rabbit_delay._broker import UNKNOWN, BrokerInfo
 from rabbit_delay._consumer.acks import AckTracker
 from rabbit_delay._consumer.app import Consumer, Transport
 from rabbit_delay._consumer.context import clock_ms
-from rabbit_delay._consumer.delivery import (
-    STALE,
-    STOPPING,
-    Claim,
-    Delivery,
-    Finish,
-    Pause,
-    Publish,
-    Run,
-    Settled,
-    Step,
-    WriteAck,
-    WriteNack,
-)
 from rabbit_delay._consumer.handlers import call_async_handler, call_handler
 from rabbit_delay._consumer.housekeeping import Renew, Sleep
-from rabbit_delay._consumer.worker import WorkerCore
 from rabbit_delay._errors import BrokerError, PublishError, RabbitDelayError
 from rabbit_delay._idempotency.guard import AsyncGuard
-from rabbit_delay._observe import tracing
-from rabbit_delay._observe.metrics import Metrics
-from rabbit_delay._observe.report import WorkerReport
-from rabbit_delay._observe.tracing import OpenTelemetry
+from rabbit_delay._observe.report import ReportingWorker
 from rabbit_delay._urls import redact
 from rabbit_delay.aio._connection import broker_info, close_quietly, connect_first
 from rabbit_delay.aio._declarer import declare as declare_topology
@@ -99,7 +82,7 @@ _CHANNEL_GONE = (
 _STEP_ERRORS: tuple[type[BaseException], ...] = (RabbitDelayError, *CLIENT_ERRORS)
 
 
-class AsyncWorker(WorkerCore):
+class AsyncWorker(ReportingWorker):
     """Runs an App's consumers on aio-pika until `stop()` (or SIGINT/SIGTERM).
 
     Same options and guarantees as the sync `Worker`; `concurrency` bounds handlers
@@ -114,13 +97,6 @@ class AsyncWorker(WorkerCore):
 
     transport = Transport.ASYNC
     default_concurrency = 16
-    report: WorkerReport
-
-    def make_report(self, metrics: Metrics | None) -> WorkerReport:
-        return WorkerReport(self, metrics)
-
-    def tracer(self) -> OpenTelemetry | None:
-        return tracing.active()
 
     def _prepare(self) -> None:
         self._stop_requested = False
@@ -437,7 +413,7 @@ class AsyncWorker(WorkerCore):
         """Drive one delivery's program to its end."""
         self.report.arrived()
         props = message.header.properties
-        delivery = Delivery(
+        delivery = dp.Delivery(
             props.message_id,
             props.headers,
             bool(message.delivery.redelivered),  # type: ignore[union-attr]
@@ -455,9 +431,9 @@ class AsyncWorker(WorkerCore):
         reply: object = None
         while True:
             try:
-                step: Step = program.send(reply)
+                step: dp.Step = program.send(reply)
             except StopIteration as stop:
-                settled: Settled = stop.value
+                settled: dp.Settled = stop.value
                 if settled.stale and not live.channel.is_closed:
                     tracker.settled(tag)  # its consumer was cancelled: never acked
                 self.report.settled(settled)
@@ -465,57 +441,57 @@ class AsyncWorker(WorkerCore):
             try:
                 reply = await self._execute(live, step)
             except _CHANNEL_GONE:
-                reply = STALE  # its channel is gone: the broker redelivers it
+                reply = dp.STALE  # its channel is gone: the broker redelivers it
 
     def _stale(self, live: _Live) -> bool:
         return live.channel.is_closed or live.ctag in self._cancelled
 
-    async def _execute(self, live: _Live, step: Step) -> object:
-        if isinstance(step, Finish):  # always executed: the handler did run
+    async def _execute(self, live: _Live, step: dp.Step) -> object:
+        if isinstance(step, dp.Finish):  # always executed: the handler did run
             self.leases.finishing(step.key, step.owner, self.report)
             assert self._batches is not None
             return await self._batches.finish(step.key, step.owner, step.succeeded)
         if self._stale(live):
-            return STALE
-        if isinstance(step, Claim):
+            return dp.STALE
+        if isinstance(step, dp.Claim):
             if self._stopping:
-                return STOPPING
+                return dp.STOPPING
             assert self._batches is not None
             result = await self._batches.claim(step.key, step.owner)
             self.leases.claimed(step.key, step.owner, result, self.clock())
             return result
-        if isinstance(step, Run):
+        if isinstance(step, dp.Run):
             return await self._run(live, step)
-        if isinstance(step, Pause):
+        if isinstance(step, dp.Pause):
             await asyncio.sleep(step.seconds)
             return None
-        if isinstance(step, WriteAck):
+        if isinstance(step, dp.WriteAck):
             self._ack(live.channel, live.tracker, live.tag)
             return None
-        if isinstance(step, Publish):
+        if isinstance(step, dp.Publish):
             publisher = self._publisher
             if publisher is None:  # lost meanwhile: the broker redelivers the original
-                return STALE
+                return dp.STALE
             try:
                 await publisher.publish_outgoing((step.outgoing,))
             except (PublishError, BrokerError) as exc:
                 return exc
             return None
-        if isinstance(step, WriteNack):
+        if isinstance(step, dp.WriteNack):
             await live.channel.basic_nack(live.tag, multiple=False, requeue=True)
         else:
             await live.channel.basic_reject(live.tag, requeue=step.requeue)
         live.tracker.settled(live.tag)
         return None
 
-    async def _run(self, live: _Live, step: Run) -> object:
+    async def _run(self, live: _Live, step: dp.Run) -> object:
         if self._stopping:
-            return STOPPING
+            return dp.STOPPING
         async with self._sem:
             if self._stale(live):  # cancelled or lost while waiting for a slot
-                return STALE
+                return dp.STALE
             if self._stopping:  # waited for a slot past the stop: not started
-                return STOPPING
+                return dp.STOPPING
             consumer, prepared = step.consumer, step.prepared
             if consumer.is_async:
                 return await call_async_handler(consumer, prepared, self.report.timer)

@@ -45,37 +45,18 @@ import pika.exceptions
 import pika.spec
 from pika.adapters.blocking_connection import BlockingChannel
 
+import rabbit_delay._consumer.delivery as dp
 import rabbit_delay._consumer.lifecycle as lc
 from rabbit_delay._broker import UNKNOWN, BrokerInfo
 from rabbit_delay._consumer.acks import AckTracker
 from rabbit_delay._consumer.app import Consumer, Transport
 from rabbit_delay._consumer.context import clock_ms
-from rabbit_delay._consumer.delivery import (
-    STALE,
-    STOPPING,
-    Claim,
-    Delivery,
-    Finish,
-    Pause,
-    Program,
-    Publish,
-    Run,
-    Settled,
-    Step,
-    WriteAck,
-    WriteNack,
-    WriteReject,
-)
 from rabbit_delay._consumer.handlers import call_handler
 from rabbit_delay._consumer.housekeeping import Renew, Sleep
 from rabbit_delay._consumer.leases import claim_with, finish_with
-from rabbit_delay._consumer.worker import WorkerCore
 from rabbit_delay._errors import BrokerError, BrokerUnavailable, PublishError, RabbitDelayError
 from rabbit_delay._idempotency.guard import Guard
-from rabbit_delay._observe import tracing
-from rabbit_delay._observe.metrics import Metrics
-from rabbit_delay._observe.report import WorkerReport
-from rabbit_delay._observe.tracing import OpenTelemetry
+from rabbit_delay._observe.report import ReportingWorker
 from rabbit_delay._stop_signals import install_stop_signals
 from rabbit_delay._urls import redact
 from rabbit_delay.sync._connection import broker_info, close_quietly, connect_first
@@ -115,10 +96,10 @@ class _Live:
     consumer: Consumer
     ctag: str
     tag: int
-    program: Program | None  # made on a handler thread for a store that never blocks
+    program: dp.Program | None  # made on a handler thread for a store that never blocks
 
 
-class Worker(WorkerCore):
+class Worker(ReportingWorker):
     """Runs an App's consumers on pika until `stop()` (or SIGINT/SIGTERM).
 
     `prefetch` (default 2 x concurrency) bounds unacked deliveries per consumer;
@@ -136,13 +117,6 @@ class Worker(WorkerCore):
 
     transport = Transport.SYNC
     default_concurrency = 4
-    report: WorkerReport
-
-    def make_report(self, metrics: Metrics | None) -> WorkerReport:
-        return WorkerReport(self, metrics)
-
-    def tracer(self) -> OpenTelemetry | None:
-        return tracing.active()
 
     def _prepare(self) -> None:
         self._guard: Guard | None = self.app.guard() if self.guarded else None
@@ -163,7 +137,7 @@ class Worker(WorkerCore):
         self._results: deque[tuple[_Live, _Back, object]] = deque()
         # Claims and finishes for the store thread, run in batches (one transaction or
         # round trip for all that gathered while the previous batch ran).
-        self._store_ops: SimpleQueue[tuple[_Live, Claim | Finish] | None] = SimpleQueue()
+        self._store_ops: SimpleQueue[tuple[_Live, dp.Claim | dp.Finish] | None] = SimpleQueue()
         self._inline_store = self._guard is not None and getattr(
             self._guard.store, "never_blocks", False
         )
@@ -481,41 +455,43 @@ class Worker(WorkerCore):
         left is a settle step (publish, ack, nack, reject)."""
         program: Any = live.program
         while True:
-            reply = STALE if self._stale(live) else self._settle_step(live, step)
+            reply = dp.STALE if self._stale(live) else self._settle_step(live, step)
             try:
                 step = program.send(reply)
             except StopIteration as stop:
                 self._settled(live, stop.value)
                 return
 
-    def _settle_step(self, live: _Live, step: Publish | WriteAck | WriteNack | WriteReject) -> Any:
+    def _settle_step(
+        self, live: _Live, step: dp.Publish | dp.WriteAck | dp.WriteNack | dp.WriteReject
+    ) -> Any:
         channel = self._channel
         assert channel is not None
-        if isinstance(step, WriteAck):
+        if isinstance(step, dp.WriteAck):
             self._tracker.acked(live.tag)  # written at the end of the drain, coalesced
             return None
-        if isinstance(step, Publish):
+        if isinstance(step, dp.Publish):
             return self._publish(step)
-        if isinstance(step, WriteNack):
+        if isinstance(step, dp.WriteNack):
             channel.basic_nack(live.tag, multiple=False, requeue=True)
         else:
             channel.basic_reject(live.tag, requeue=step.requeue)
         self._tracker.settled(live.tag)
         return None
 
-    def _settled(self, live: _Live, settled: Settled) -> None:
+    def _settled(self, live: _Live, settled: dp.Settled) -> None:
         if live.gen == self._gen:
             self._inflight -= 1
             if settled.stale:  # its consumer was cancelled: never acked on this channel
                 self._tracker.settled(live.tag)
         self.report.settled(settled)
 
-    def _publish(self, step: Publish) -> object:
+    def _publish(self, step: dp.Publish) -> object:
         """A copy, on the worker's connection; a publisher whose channel was lost is opened
         again for the next copy. The connection gone: STALE (the broker redelivers)."""
         conn = self._conn
         if conn is None:
-            return STALE
+            return dp.STALE
         try:
             if self._publisher is None:
                 self._publisher = self._new_publisher(conn)
@@ -578,24 +554,24 @@ class Worker(WorkerCore):
         if kind is tuple:  # a fresh delivery: make its program
             fresh: Any = item
             consumer, props, body, redelivered, received_ms, broker = fresh
-            delivery = Delivery(
+            delivery = dp.Delivery(
                 props.message_id, props.headers, redelivered, body, props.content_type, received_ms
             )
             live.program = self.program(consumer, delivery, broker)
             item = None
-        elif kind is Run or kind is Pause:  # a step handed over by the store thread
+        elif kind is dp.Run or kind is dp.Pause:  # a step handed over by the store thread
             item = self._execute_here(live, item)  # type: ignore[arg-type]
         return self._run_here(live, item)
 
-    def _execute_here(self, live: _Live, step: Run | Pause) -> object:
+    def _execute_here(self, live: _Live, step: dp.Run | dp.Pause) -> object:
         """A Run (the handler) or a Pause, on a handler thread."""
-        if type(step) is Pause:
+        if type(step) is dp.Pause:
             time.sleep(step.seconds)  # back-pressure: the store fails
             return None
         if self._stale(live):
-            return STALE  # its channel or consumer is gone: the broker redelivers it
+            return dp.STALE  # its channel or consumer is gone: the broker redelivers it
         if self._stopping:
-            return STOPPING
+            return dp.STOPPING
         run: Any = step
         try:
             return call_handler(run.consumer, run.prepared, self.report.timer)
@@ -611,25 +587,25 @@ class Worker(WorkerCore):
         program: Any = live.program
         while True:
             try:
-                step: Step = program.send(reply)
+                step: dp.Step = program.send(reply)
             except StopIteration as stop:
                 return live, _Back.SETTLED, stop.value
             kind = type(step)
-            if kind is Finish:  # always executed: the handler did run
+            if kind is dp.Finish:  # always executed: the handler did run
                 if not self._inline_store:
                     self._store_ops.put((live, step))  # type: ignore[arg-type]
                     return None
                 reply = self._finish_now(step)  # type: ignore[arg-type]
-            elif kind is Run or kind is Pause:
+            elif kind is dp.Run or kind is dp.Pause:
                 if not handler_thread:
                     self._jobs.put((live, step))
                     return None
                 reply = self._execute_here(live, step)  # type: ignore[arg-type]
-            elif kind is Claim:
+            elif kind is dp.Claim:
                 if self._stale(live):
-                    reply = STALE  # its channel or consumer is gone: redelivered
+                    reply = dp.STALE  # its channel or consumer is gone: redelivered
                 elif self._stopping:
-                    reply = STOPPING
+                    reply = dp.STOPPING
                 elif self._inline_store:
                     reply = self._claim_now(step)  # type: ignore[arg-type]
                 else:
@@ -638,12 +614,12 @@ class Worker(WorkerCore):
             else:
                 return live, _Back.SETTLE, step
 
-    def _claim_now(self, step: Claim) -> object:
+    def _claim_now(self, step: dp.Claim) -> object:
         """A store that never blocks (memory): claimed on the handler thread at once."""
         assert self._guard is not None
         return claim_with(self._guard, self.leases, step.key, step.owner, self.clock())
 
-    def _finish_now(self, step: Finish) -> object:
+    def _finish_now(self, step: dp.Finish) -> object:
         assert self._guard is not None
         return finish_with(
             self._guard, self.leases, step.key, step.owner, step.succeeded, self.report
@@ -667,8 +643,8 @@ class Worker(WorkerCore):
                     ops.put(None)  # stop after this batch
                     break
                 batch.append(more)
-            finishes = [(live, op) for live, op in batch if type(op) is Finish]
-            claims = [(live, op) for live, op in batch if type(op) is Claim]
+            finishes = [(live, op) for live, op in batch if type(op) is dp.Finish]
+            claims = [(live, op) for live, op in batch if type(op) is dp.Claim]
             self.leases.finishing_many([(op.key, op.owner) for _, op in finishes], self.report)
             pairs = [(op.key, op.owner) for _, op in claims]
             finished, claimed = guard.finish_and_claim_many(

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+import rabbit_delay._consumer.delivery as dp
 import rabbit_delay._consumer.lifecycle as lc
 from rabbit_delay._consumer.app import App, Consumer, Transport, _is_async_store
 from rabbit_delay._consumer.context import HandlerContext
@@ -33,33 +34,15 @@ from rabbit_delay._consumer.decide import (
     Republish,
     Skip,
 )
-from rabbit_delay._consumer.delivery import (
-    STALE,
-    STOPPING,
-    Claim,
-    Delivery,
-    Finish,
-    Pause,
-    Publish,
-    Run,
-    Settled,
-    Step,
-    WriteAck,
-    WriteNack,
-    WriteReject,
-)
 from rabbit_delay._consumer.handlers import call_async_handler, call_handler
 from rabbit_delay._consumer.housekeeping import Renew, Sleep
 from rabbit_delay._consumer.leases import claim_with, finish_with
 from rabbit_delay._consumer.outcome import Outcome
 from rabbit_delay._consumer.settings import DEFAULT_SHUTDOWN_TIMEOUT_S
-from rabbit_delay._consumer.worker import WorkerCore
 from rabbit_delay._errors import BrokerError, ConfigError, PublishError, RabbitDelayError
 from rabbit_delay._idempotency.guard import ClaimResult, Guard, IdempotencyStore
-from rabbit_delay._observe import tracing
 from rabbit_delay._observe.metrics import Metrics
-from rabbit_delay._observe.report import WorkerReport
-from rabbit_delay._observe.tracing import OpenTelemetry
+from rabbit_delay._observe.report import ReportingWorker
 from rabbit_delay._stores.memory import MemoryStore
 from rabbit_delay.testing._broker import Channel, Delivered, KitError, MemoryBroker
 from rabbit_delay.testing._publisher import MemoryPublisher
@@ -115,7 +98,7 @@ class _Live:
     error: BaseException | None = None
 
 
-class MemoryWorker(WorkerCore):
+class MemoryWorker(ReportingWorker):
     """Runs an App's consumers on a MemoryBroker, in virtual time.
 
     `store`: the idempotency store; default: the app's own (`App(store=...)`) when it
@@ -131,13 +114,6 @@ class MemoryWorker(WorkerCore):
 
     transport = Transport.MEMORY
     default_concurrency = 16
-    report: WorkerReport
-
-    def make_report(self, metrics: Metrics | None) -> WorkerReport:
-        return WorkerReport(self, metrics)
-
-    def tracer(self) -> OpenTelemetry | None:
-        return tracing.active()
 
     def __init__(
         self,
@@ -352,7 +328,7 @@ class MemoryWorker(WorkerCore):
         """Drive one delivery's program to its end."""
         self.report.arrived()
         message = delivered.message
-        delivery = Delivery(
+        delivery = dp.Delivery(
             message.message_id,
             message.headers,
             message.redelivered,
@@ -365,15 +341,15 @@ class MemoryWorker(WorkerCore):
         reply: object = None
         while True:
             try:
-                step: Step = program.send(reply)
+                step: dp.Step = program.send(reply)
             except StopIteration as stop:
-                settled: Settled = stop.value
+                settled: dp.Settled = stop.value
                 self.report.settled(settled)
                 self._record(live, settled, message.body)
                 return
-            if isinstance(step, Run):
+            if isinstance(step, dp.Run):
                 reply = await self._run(live, step)
-            elif isinstance(step, Pause):
+            elif isinstance(step, dp.Pause):
                 await asyncio.sleep(step.seconds)
                 reply = None
             else:
@@ -382,24 +358,24 @@ class MemoryWorker(WorkerCore):
     def _stale(self, live: _Live) -> bool:
         return live.gen != self._gen or live.consumer_tag in self._cancelled
 
-    def _execute(self, live: _Live, step: Step) -> object:
+    def _execute(self, live: _Live, step: dp.Step) -> object:
         """Every step but Run and Pause, synchronously (the store is called inline)."""
-        if isinstance(step, Finish):  # always executed: the handler did run
+        if isinstance(step, dp.Finish):  # always executed: the handler did run
             assert self.guard is not None
             return finish_with(
                 self.guard, self.leases, step.key, step.owner, step.succeeded, self.report
             )
         if self._stale(live):
-            return STALE
-        if isinstance(step, Claim):
+            return dp.STALE
+        if isinstance(step, dp.Claim):
             if self._stopping:
-                return STOPPING
+                return dp.STOPPING
             assert self.guard is not None
             result = claim_with(self.guard, self.leases, step.key, step.owner, self.clock())
             if result is ClaimResult.CLAIMED:
                 self._renew_while_held()
             return result
-        if isinstance(step, Publish):
+        if isinstance(step, dp.Publish):
             try:
                 self.publisher.publish_outgoing((step.outgoing,))
             except (PublishError, BrokerError) as exc:
@@ -407,23 +383,23 @@ class MemoryWorker(WorkerCore):
             return None
         channel = self._channel
         assert channel is not None
-        if isinstance(step, WriteAck):
+        if isinstance(step, dp.WriteAck):
             channel.ack(live.tag)
-        elif isinstance(step, WriteNack):
+        elif isinstance(step, dp.WriteNack):
             channel.nack(live.tag, requeue=True)
         else:
-            assert isinstance(step, WriteReject)
+            assert isinstance(step, dp.WriteReject)
             channel.reject(live.tag, requeue=step.requeue)
         return None
 
-    async def _run(self, live: _Live, step: Run) -> object:
+    async def _run(self, live: _Live, step: dp.Run) -> object:
         if self._stopping:
-            return STOPPING
+            return dp.STOPPING
         async with self._sem:
             if self._stale(live):  # lost while waiting for a slot
-                return STALE
+                return dp.STALE
             if self._stopping:  # waited for a slot past the stop: not started
-                return STOPPING
+                return dp.STOPPING
             consumer, prepared = step.consumer, step.prepared
             live.ran = True
             live.context = prepared.ctx
@@ -435,7 +411,7 @@ class MemoryWorker(WorkerCore):
                 live.error = outcome
             return outcome
 
-    def _record(self, live: _Live, settled: Settled, body: bytes) -> None:
+    def _record(self, live: _Live, settled: dp.Settled, body: bytes) -> None:
         publish_error = settled.publish_error
         self.records.append(
             Handled(
