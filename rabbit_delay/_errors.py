@@ -32,7 +32,8 @@ signals, not failures of the library.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 
@@ -276,3 +277,64 @@ def for_publishes(error: RabbitDelayError, message_ids: Sequence[str]) -> Rabbit
             message_ids=message_ids,
         )
     return error
+
+
+# -- what both exception maps (sync/_errors.py, aio/_errors.py) build --------------------
+
+Translate = Callable[..., RabbitDelayError]
+
+
+def translated(
+    exc: BaseException,
+    translate: Translate,
+    *,
+    doing: str,
+    permission: str = "",
+    message_ids: Sequence[str] = (),
+) -> RabbitDelayError:
+    """The project's error for a client's `exc` met while `doing`, by a transport's
+    `translate`; ours pass as they are. With `message_ids` (a publish whose confirms were
+    outstanding), a lost connection or a blocked one names them (`for_publishes`)."""
+    if isinstance(exc, RabbitDelayError):
+        return exc
+    error = translate(exc, doing=doing, permission=permission, message_ids=message_ids)
+    return for_publishes(error, message_ids)
+
+
+@contextmanager
+def mapped_by(
+    translate: Translate,
+    client_errors: tuple[type[BaseException], ...],
+    doing: str,
+    *,
+    permission: str = "",
+    message_ids: Sequence[str] = (),
+    also: Callable[[BaseException], bool] = lambda exc: False,
+) -> Iterator[None]:
+    """A block of client calls whose exceptions (`client_errors`, or any that `also`
+    accepts) leave it as the project's error, chained nowhere: the client's traceback
+    adds nothing for the user."""
+    try:
+        yield
+    except RabbitDelayError:
+        raise
+    except Exception as exc:
+        if not isinstance(exc, client_errors) and not also(exc):
+            raise
+        error = translated(
+            exc, translate, doing=doing, permission=permission, message_ids=message_ids
+        )
+        raise error from None
+
+
+def login_refused(doing: str) -> BrokerUnavailable:
+    return BrokerUnavailable(
+        f"the broker refused the login while {doing}: check the user name and password of the URL"
+    )
+
+
+def vhost_refused(doing: str) -> BrokerUnavailable:
+    return BrokerUnavailable(
+        f"the broker refused the virtual host while {doing}: it does not exist, or the "
+        "user has no permissions on it"
+    )

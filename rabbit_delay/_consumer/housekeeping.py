@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from rabbit_delay._consumer.events import WorkerEvents
 from rabbit_delay._consumer.leases import LeaseBook
+from rabbit_delay._idempotency.guard import Guard
 
 # How often expired idempotency records are deleted (stores that keep them: SQLite, memory).
 PURGE_EVERY_S = 600.0
@@ -79,6 +80,18 @@ def housekeeping_program(
                 events.purge_failed(purged)
 
 
+def on_guard(guard: Guard, step: Renew | Purge) -> object:
+    """A Renew or Purge step on a synchronous guard: its reply (the store's exception
+    included)."""
+    try:
+        if isinstance(step, Renew):
+            return guard.renew(step.key, step.owner)
+        guard.purge()
+    except Exception as exc:
+        return exc
+    return None
+
+
 __all__ = [
     "PURGE",
     "PURGE_EVERY_S",
@@ -87,4 +100,5 @@ __all__ = [
     "Renew",
     "Sleep",
     "housekeeping_program",
+    "on_guard",
 ]

@@ -10,22 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 
 import aio_pika.exceptions
 import aiormq.exceptions
 
-from rabbit_delay._errors import (
-    BrokerError,
-    BrokerUnavailable,
-    ConnectionLost,
-    NackError,
-    RabbitDelayError,
-    UnroutableError,
-    broker_refusal,
-    for_publishes,
-)
+import rabbit_delay._errors as errors
 from rabbit_delay._urls import redact
 
 _e = aiormq.exceptions
@@ -87,57 +78,53 @@ def translate(
     doing: str,
     permission: str = "",
     message_ids: Sequence[str] = (),
-) -> RabbitDelayError:
+) -> errors.RabbitDelayError:
     """The project's error for `exc`, raised by aio-pika/aiormq (or the socket) while
-    `doing`. With `message_ids`, a lost connection becomes an `UnconfirmedError` naming
-    them."""
-    if isinstance(exc, RabbitDelayError):
-        return exc
-    error = _translate(exc, doing=doing, permission=permission, message_ids=message_ids)
-    return for_publishes(error, message_ids)
+    `doing` (`rabbit_delay._errors.translated`)."""
+    return errors.translated(
+        exc, _translate, doing=doing, permission=permission, message_ids=message_ids
+    )
 
 
 def _translate(
     exc: BaseException, *, doing: str, permission: str, message_ids: Sequence[str]
-) -> RabbitDelayError:
+) -> errors.RabbitDelayError:
     if isinstance(exc, _e.PublishError):  # basic.return under mandatory
-        return UnroutableError(
+        return errors.UnroutableError(
             f"the broker returned the message(s) as unroutable while {doing}: {exc}",
             message_ids=message_ids,
         )
     if isinstance(exc, _e.DeliveryError):  # basic.nack
-        return NackError(f"the broker nacked the message(s) while {doing}", message_ids=message_ids)
+        return errors.NackError(
+            f"the broker nacked the message(s) while {doing}", message_ids=message_ids
+        )
     if isinstance(exc, _e.ChannelClosed):
         code, text = reply_of(exc, CHANNEL_CODES)
         if code is None and not text:
-            return ConnectionLost(f"channel closed while {doing}")
-        return broker_refusal(code, text, doing=doing, permission=permission)
+            return errors.ConnectionLost(f"channel closed while {doing}")
+        return errors.broker_refusal(code, text, doing=doing, permission=permission)
     if isinstance(exc, _e.ProbableAuthenticationError | _e.AuthenticationError):
-        return BrokerUnavailable(
-            f"the broker refused the login while {doing}: check the user name and password "
-            "of the URL"
-        )
+        return errors.login_refused(doing)
     if isinstance(exc, _e.ConnectionClosed):
         code, text = reply_of(exc, CONNECTION_CODES)
         if not code:  # (0, "normal closed"): closed on this side
-            return ConnectionLost(f"connection closed while {doing}")
-        return broker_refusal(code, text, doing=doing, permission=permission, connection=True)
+            return errors.ConnectionLost(f"connection closed while {doing}")
+        return errors.broker_refusal(
+            code, text, doing=doing, permission=permission, connection=True
+        )
     if isinstance(exc, _e.InvalidFrameError) and "Connection.Close" in str(exc):
         # aiormq: connection.open answered by connection.close (530, the vhost)
-        return BrokerUnavailable(
-            f"the broker refused the virtual host while {doing}: it does not exist, or the "
-            "user has no permissions on it"
-        )
+        return errors.vhost_refused(doing)
     if isinstance(exc, ssl.SSLError):
-        return BrokerUnavailable(f"TLS failed while {doing}: {redact(str(exc))}")
+        return errors.BrokerUnavailable(f"TLS failed while {doing}: {redact(str(exc))}")
     if isinstance(exc, asyncio.TimeoutError):
-        return ConnectionLost(f"timed out while {doing} (no answer from the broker)")
+        return errors.ConnectionLost(f"timed out while {doing} (no answer from the broker)")
     if isinstance(
         exc, _e.AMQPConnectionError | _e.ChannelInvalidStateError | OSError | EOFError
     ) or is_closed_error(exc):
-        return ConnectionLost(f"connection lost while {doing}: {_describe(exc)}")
+        return errors.ConnectionLost(f"connection lost while {doing}: {_describe(exc)}")
     # a protocol error, a duplicate consumer tag: the broker's side
-    return BrokerError(f"{_describe(exc)} while {doing}")
+    return errors.BrokerError(f"{_describe(exc)} while {doing}")
 
 
 def _describe(exc: BaseException) -> str:
@@ -145,17 +132,17 @@ def _describe(exc: BaseException) -> str:
     return redact(f"{type(exc).__name__}: {text}")
 
 
-@contextmanager
-def mapped(doing: str, *, permission: str = "", message_ids: Sequence[str] = ()) -> Iterator[None]:
-    """Run a block of awaits on aio-pika; a client exception leaves it as the project's
-    error. (A plain context manager works around `await`s inside an `async def`.)"""
-    try:
-        yield
-    except RabbitDelayError:
-        raise
-    except CLIENT_ERRORS as exc:
-        raise translate(exc, doing=doing, permission=permission, message_ids=message_ids) from None
-    except RuntimeError as exc:
-        if not is_closed_error(exc):
-            raise
-        raise translate(exc, doing=doing, permission=permission, message_ids=message_ids) from None
+def mapped(
+    doing: str, *, permission: str = "", message_ids: Sequence[str] = ()
+) -> AbstractContextManager[None]:
+    """Run a block of awaits on aio-pika; a client exception (or the RuntimeError of a
+    closed connection) leaves it as the project's error. (A plain context manager works
+    around `await`s inside an `async def`.)"""
+    return errors.mapped_by(
+        translate,
+        CLIENT_ERRORS,
+        doing,
+        permission=permission,
+        message_ids=message_ids,
+        also=is_closed_error,
+    )

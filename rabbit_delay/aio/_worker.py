@@ -532,22 +532,21 @@ class AsyncWorker(ReportingWorker):
     async def _housekeeping(self, guard: AsyncGuard) -> None:
         """The housekeeping program (consumer/housekeeping.py) in a task of its own."""
         program = self.housekeeping(purges=guard.store.needs_purge)
-        reply: object = None
-        while True:
-            try:
-                step = program.send(reply)
-            except StopIteration:
-                return
-            try:
-                if type(step) is Sleep:
+        with contextlib.suppress(StopIteration):
+            step = next(program)
+            while True:
+                if isinstance(step, Sleep):
                     await asyncio.sleep(step.seconds)
-                    reply = False
-                elif type(step) is Renew:
-                    reply = await guard.renew(step.key, step.owner)
-                else:
-                    reply = await guard.purge()
-            except Exception as exc:
-                reply = exc
+                    step = program.send(False)
+                    continue
+                try:
+                    if isinstance(step, Renew):
+                        reply: object = await guard.renew(step.key, step.owner)
+                    else:
+                        reply = await guard.purge()
+                except Exception as exc:
+                    reply = exc
+                step = program.send(reply)
 
     # -- signals ---------------------------------------------------------------------------
 

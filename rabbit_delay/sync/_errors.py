@@ -10,22 +10,12 @@ from __future__ import annotations
 
 import socket
 import ssl
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 
 import pika.exceptions
 
-from rabbit_delay._errors import (
-    BrokerBlocked,
-    BrokerError,
-    BrokerUnavailable,
-    ConnectionLost,
-    NackError,
-    RabbitDelayError,
-    UnroutableError,
-    broker_refusal,
-    for_publishes,
-)
+import rabbit_delay._errors as errors
 from rabbit_delay._urls import redact
 
 # What a pika call can raise besides our own errors.
@@ -55,61 +45,53 @@ def translate(
     doing: str,
     permission: str = "",
     message_ids: Sequence[str] = (),
-) -> RabbitDelayError:
-    """The project's error for `exc`, raised by pika (or the socket) while `doing`.
-
-    With `message_ids` (a publish whose confirms were outstanding), a lost connection
-    or a blocked-connection timeout becomes an `UnconfirmedError` naming them.
-    """
-    if isinstance(exc, RabbitDelayError):
-        return exc
-    error = _translate(exc, doing=doing, permission=permission, message_ids=message_ids)
-    return for_publishes(error, message_ids)
+) -> errors.RabbitDelayError:
+    """The project's error for `exc`, raised by pika (or the socket) while `doing`
+    (`rabbit_delay._errors.translated`)."""
+    return errors.translated(
+        exc, _translate, doing=doing, permission=permission, message_ids=message_ids
+    )
 
 
 def _translate(
     exc: BaseException, *, doing: str, permission: str, message_ids: Sequence[str]
-) -> RabbitDelayError:
+) -> errors.RabbitDelayError:
     if isinstance(exc, _e.ConnectionBlockedTimeout):
-        return BrokerBlocked(
+        return errors.BrokerBlocked(
             f"the broker blocked this connection (a resource alarm: memory or disk) for longer "
             f"than the blocked timeout while {doing}",
             reason="resource alarm",
         )
     if isinstance(exc, _e.ChannelClosedByBroker):
-        return broker_refusal(exc.reply_code, exc.reply_text, doing=doing, permission=permission)
+        return errors.broker_refusal(
+            exc.reply_code, exc.reply_text, doing=doing, permission=permission
+        )
     if isinstance(exc, _e.ConnectionClosedByBroker):
-        return broker_refusal(
+        return errors.broker_refusal(
             exc.reply_code, exc.reply_text, doing=doing, permission=permission, connection=True
         )
     if isinstance(exc, _e.ProbableAuthenticationError | _e.AuthenticationError):
-        return BrokerUnavailable(
-            f"the broker refused the login while {doing}: check the user name and password "
-            "of the URL"
-        )
+        return errors.login_refused(doing)
     if isinstance(exc, _e.ProbableAccessDeniedError):
-        return BrokerUnavailable(
-            f"the broker refused the virtual host while {doing}: it does not exist, or the "
-            "user has no permissions on it"
-        )
+        return errors.vhost_refused(doing)
     if isinstance(exc, _e.NackError):
-        return NackError(
+        return errors.NackError(
             f"the broker nacked {len(message_ids) or 'the'} message(s) while {doing}",
             message_ids=message_ids,
         )
     if isinstance(exc, _e.UnroutableError):
-        return UnroutableError(
+        return errors.UnroutableError(
             f"the broker returned the message(s) as unroutable while {doing}",
             message_ids=message_ids,
         )
     if isinstance(exc, ssl.SSLError):
-        return BrokerUnavailable(f"TLS failed while {doing}: {redact(str(exc))}")
+        return errors.BrokerUnavailable(f"TLS failed while {doing}: {redact(str(exc))}")
     if isinstance(exc, _LOST):
-        return ConnectionLost(f"connection lost while {doing}: {_describe(exc)}")
+        return errors.ConnectionLost(f"connection lost while {doing}: {_describe(exc)}")
     if isinstance(exc, _e.AMQPConnectionError):  # opening failed (refused, timed out, ...)
-        return BrokerUnavailable(f"no connection while {doing}: {_describe(exc)}")
+        return errors.BrokerUnavailable(f"no connection while {doing}: {_describe(exc)}")
     # a protocol error, a consumer cancelled, a duplicate consumer tag: the broker's side
-    return BrokerError(f"{_describe(exc)} while {doing}")
+    return errors.BrokerError(f"{_describe(exc)} while {doing}")
 
 
 def _describe(exc: BaseException) -> str:
@@ -119,13 +101,10 @@ def _describe(exc: BaseException) -> str:
     return redact(f"{type(exc).__name__}: {text}")
 
 
-@contextmanager
-def mapped(doing: str, *, permission: str = "", message_ids: Sequence[str] = ()) -> Iterator[None]:
-    """Run a block of pika calls; a client exception leaves it as the project's error
-    (chained nowhere: the client's traceback adds nothing for the user)."""
-    try:
-        yield
-    except RabbitDelayError:
-        raise
-    except CLIENT_ERRORS as exc:
-        raise translate(exc, doing=doing, permission=permission, message_ids=message_ids) from None
+def mapped(
+    doing: str, *, permission: str = "", message_ids: Sequence[str] = ()
+) -> AbstractContextManager[None]:
+    """Run a block of pika calls; a client exception leaves it as the project's error."""
+    return errors.mapped_by(
+        translate, CLIENT_ERRORS, doing, permission=permission, message_ids=message_ids
+    )

@@ -52,7 +52,7 @@ from rabbit_delay._consumer.acks import AckTracker
 from rabbit_delay._consumer.app import Consumer, Transport
 from rabbit_delay._consumer.context import clock_ms
 from rabbit_delay._consumer.handlers import call_handler
-from rabbit_delay._consumer.housekeeping import Renew, Sleep
+from rabbit_delay._consumer.housekeeping import Sleep, on_guard
 from rabbit_delay._consumer.leases import claim_with, finish_with
 from rabbit_delay._errors import BrokerError, BrokerUnavailable, PublishError, RabbitDelayError
 from rabbit_delay._idempotency.guard import Guard
@@ -668,21 +668,13 @@ class Worker(ReportingWorker):
     def _housekeeping(self, guard: Guard) -> None:
         """The housekeeping program (consumer/housekeeping.py) on a thread of its own."""
         program = self.housekeeping(purges=guard.store.needs_purge)
-        reply: object = None
-        while True:
-            try:
-                step = program.send(reply)
-            except StopIteration:
-                return
-            try:
-                if type(step) is Sleep:
-                    reply = self._done.wait(step.seconds)
-                elif type(step) is Renew:
-                    reply = guard.renew(step.key, step.owner)
+        with contextlib.suppress(StopIteration):
+            step = next(program)
+            while True:
+                if isinstance(step, Sleep):
+                    step = program.send(self._done.wait(step.seconds))
                 else:
-                    reply = guard.purge()
-            except Exception as exc:
-                reply = exc
+                    step = program.send(on_guard(guard, step))
 
     # -- signals -----------------------------------------------------------------------------
 

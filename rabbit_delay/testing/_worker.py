@@ -18,6 +18,7 @@ as a lost delivery) while the handlers still running record their results.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from rabbit_delay._consumer.decide import (
     Skip,
 )
 from rabbit_delay._consumer.handlers import call_async_handler, call_handler
-from rabbit_delay._consumer.housekeeping import Renew, Sleep
+from rabbit_delay._consumer.housekeeping import Sleep, on_guard
 from rabbit_delay._consumer.leases import claim_with, finish_with
 from rabbit_delay._consumer.outcome import Outcome
 from rabbit_delay._consumer.settings import DEFAULT_SHUTDOWN_TIMEOUT_S
@@ -444,20 +445,14 @@ class MemoryWorker(ReportingWorker):
         guard = self.guard
         assert guard is not None
         program = self.housekeeping(purges=False, until_idle=True)
-        reply: object = None
-        while True:
-            try:
-                step = program.send(reply)
-            except StopIteration:
-                return
-            if type(step) is Sleep:
-                await asyncio.sleep(step.seconds)
-                reply = False
-            elif type(step) is Renew:
-                try:
-                    reply = guard.renew(step.key, step.owner)
-                except Exception as exc:
-                    reply = exc
+        with contextlib.suppress(StopIteration):
+            step = next(program)
+            while True:
+                if isinstance(step, Sleep):
+                    await asyncio.sleep(step.seconds)
+                    step = program.send(False)
+                else:
+                    step = program.send(on_guard(guard, step))
 
 
 __all__ = ["MEMORY_URL", "Handled", "MemoryWorker"]
