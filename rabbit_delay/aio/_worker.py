@@ -36,10 +36,8 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from functools import partial
-from queue import SimpleQueue
 from typing import Any
 
 import aiormq
@@ -66,6 +64,8 @@ from rabbit_delay.aio._declarer import declare as declare_topology
 from rabbit_delay.aio._errors import CLIENT_ERRORS, mapped
 from rabbit_delay.aio._publisher import WORKER_BLOCKED_TIMEOUT_S, AsyncPublisher
 from rabbit_delay.aio._reconcile import AsyncReconciling
+from rabbit_delay.aio._store_batches import StoreBatches
+from rabbit_delay.aio._threads import DaemonThreads
 
 log = logging.getLogger("rabbit_delay.worker")
 
@@ -115,8 +115,8 @@ class AsyncWorker(ReportingWorker):
         self._sem = asyncio.Semaphore(self.concurrency)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._idle: asyncio.Event | None = None
-        self._batches: _StoreBatches | None = None
-        self._executor: _DaemonThreads | None = None
+        self._batches: StoreBatches | None = None
+        self._executor: DaemonThreads | None = None
         self._to_flush: dict[AckTracker, RawChannel] = {}
         self._ack_writes: set[asyncio.Future[None]] = set()
         self._ack_order = asyncio.Lock()  # ack frames reach the wire in flush order
@@ -147,9 +147,9 @@ class AsyncWorker(ReportingWorker):
             self._stop.set()
         if self.guarded:
             self._guard = self.app.async_guard()
-            self._batches = _StoreBatches(self._guard)
+            self._batches = StoreBatches(self._guard)
         if any(not c.is_async for c in self.consumers):
-            self._executor = _DaemonThreads(self.concurrency, "rabbit-delay-handler")
+            self._executor = DaemonThreads(self.concurrency, "rabbit-delay-handler")
         restore = self._install_signals()
         housekeeping: asyncio.Task[None] | None = None
         self.run_begins()
@@ -578,113 +578,6 @@ class _Live:
     tracker: AckTracker
     tag: int
     ctag: str
-
-
-class _DaemonThreads(Executor):
-    """The pool for plain `def` handlers: daemon threads, so a forced stop (a second
-    SIGINT/SIGTERM) can end the process under a handler that is still running, which
-    `ThreadPoolExecutor` would wait for at interpreter exit."""
-
-    def __init__(self, size: int, prefix: str) -> None:
-        self._jobs: SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
-            SimpleQueue()
-        )
-        self._threads = [
-            threading.Thread(target=self._work, name=f"{prefix}-{i}", daemon=True)
-            for i in range(size)
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
-        future: Future[Any] = Future()
-        call = partial(fn, **kwargs) if kwargs else fn
-        self._jobs.put((future, call, args))
-        return future
-
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            future, fn, args = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(*args)
-            except BaseException as exc:
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        if cancel_futures:
-            while not self._jobs.empty():
-                job = self._jobs.get_nowait()
-                if job is not None:
-                    job[0].cancel()
-        for _ in self._threads:
-            self._jobs.put(None)
-        if wait:
-            for thread in self._threads:
-                thread.join()
-
-
-class _StoreBatches:
-    """The claims (and finishes) issued in one loop turn go to the store as one batch;
-    while a batch runs, the next one gathers."""
-
-    def __init__(self, guard: AsyncGuard) -> None:
-        self.guard = guard
-        self._claims: list[tuple[str, str, asyncio.Future[object]]] = []
-        self._finishes: list[tuple[str, str, bool, asyncio.Future[object]]] = []
-        self._busy = False
-        self._task: asyncio.Future[None] | None = None
-
-    def claim(self, key: str, owner: str) -> asyncio.Future[object]:
-        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-        self._claims.append((key, owner, future))
-        self._schedule()
-        return future
-
-    def finish(self, key: str, owner: str, succeeded: bool) -> asyncio.Future[object]:
-        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-        self._finishes.append((key, owner, succeeded, future))
-        self._schedule()
-        return future
-
-    def _schedule(self) -> None:
-        if not self._busy:
-            self._busy = True
-            asyncio.get_running_loop().call_soon(self._start)
-
-    def _start(self) -> None:
-        # The loop keeps only weak references to tasks: hold this one until it ends.
-        self._task = asyncio.ensure_future(self._run())
-
-    async def _run(self) -> None:
-        try:
-            while self._claims or self._finishes:
-                finishes, self._finishes = self._finishes, []
-                if finishes:
-                    items = [(k, o, ok) for k, o, ok, _ in finishes]
-                    await self._resolve(self.guard.finish_many(items), [f[3] for f in finishes])
-                claims, self._claims = self._claims, []
-                if claims:
-                    pairs = [(k, o) for k, o, _ in claims]
-                    await self._resolve(self.guard.claim_many(pairs), [c[2] for c in claims])
-        finally:
-            self._busy = False
-
-    @staticmethod
-    async def _resolve(batch: Any, futures: list[asyncio.Future[object]]) -> None:
-        try:
-            results = await batch
-        except Exception as exc:  # the whole batch failed: each op with that error
-            results = [exc] * len(futures)
-        for future, result in zip(futures, results, strict=True):
-            if not future.done():
-                future.set_result(result)
 
 
 async def _queue_exists(connection: AbstractConnection, queue_name: str) -> bool:
