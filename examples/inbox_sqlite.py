@@ -29,8 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from rabbit_delay._idempotency.guard import Guard
-from rabbit_delay.stores import ClaimResult, SQLiteStore
+from rabbit_delay.stores import ClaimResult, Guard, SQLiteStore
 
 DAY_MS = 86_400_000
 failures: list[str] = []

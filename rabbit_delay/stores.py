@@ -9,19 +9,29 @@ By default an app builds its store from the topology's `[idempotency]` table (SQ
 next to the topology file). Every store implements the `IdempotencyStore` protocol
 (`AsyncIdempotencyStore` for the async worker); `ClaimResult` is what a claim answers.
 `RedisStore` and `AsyncRedisStore` need the `redis` extra, imported only when one is
-created. See docs/idempotency.md.
+created. `Guard` / `AsyncGuard` bind a store to a lease and a retention: what a worker
+claims and records through, and what an application's own consumer may use (the inbox
+pattern). See docs/idempotency.md.
 """
 
-from rabbit_delay._idempotency.guard import AsyncIdempotencyStore, ClaimResult, IdempotencyStore
+from rabbit_delay._idempotency.guard import (
+    AsyncGuard,
+    AsyncIdempotencyStore,
+    ClaimResult,
+    Guard,
+    IdempotencyStore,
+)
 from rabbit_delay._stores.memory import MemoryStore
 from rabbit_delay._stores.redis import AsyncRedisStore, RedisStore
 from rabbit_delay._stores.sqlite import AsyncSQLiteStore, SQLiteStore
 
 __all__ = [
+    "AsyncGuard",
     "AsyncIdempotencyStore",
     "AsyncRedisStore",
     "AsyncSQLiteStore",
     "ClaimResult",
+    "Guard",
     "IdempotencyStore",
     "MemoryStore",
     "RedisStore",

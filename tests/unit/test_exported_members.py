@@ -78,10 +78,12 @@ SUBMODULES = {
         "plan",
     },
     "rabbit_delay.stores": {
+        "AsyncGuard",
         "AsyncIdempotencyStore",
         "AsyncRedisStore",
         "AsyncSQLiteStore",
         "ClaimResult",
+        "Guard",
         "IdempotencyStore",
         "MemoryStore",
         "RedisStore",
