@@ -10,23 +10,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+import rabbit_delay._cli.options as opt
 from rabbit_delay._broker import BrokerInfo
-from rabbit_delay._cli.options import (
-    EXIT_OK,
-    EXIT_PENDING,
-    JsonOpt,
-    MgmtOpt,
-    NoMgmtOpt,
-    TopologyArg,
-    TopologyOpt,
-    UrlOpt,
-    errors_to_exit,
-    management_access,
-    out,
-    print_json,
-    resolve_topology,
-    url_for,
-)
 from rabbit_delay._errors import DeclarationConflict
 from rabbit_delay._io.management import observe
 from rabbit_delay._plan.diff import Change, Plan, PlanItem
@@ -91,8 +76,8 @@ def _table(
 def _print_plan(topology: Topology, broker: str, info: BrokerInfo, plan: Plan, source: str) -> None:
     """The plan's table, titled with the broker it was read from, and how it was read."""
     title = f"plan for {topology.names.prefix} on {redact(broker)} ({info.describe()})"
-    out.print(_table(escape(title), plan.items))
-    out.print(escape(f"read via {source}"))
+    opt.out.print(_table(escape(title), plan.items))
+    opt.out.print(escape(f"read via {source}"))
 
 
 def _summary(plan: Plan) -> str:
@@ -103,12 +88,12 @@ def _summary(plan: Plan) -> str:
 
 
 def plan(
-    file: TopologyArg = None,
-    topology_file: TopologyOpt = None,
-    url: UrlOpt = None,
-    management_url: MgmtOpt = None,
-    no_management: NoMgmtOpt = False,
-    as_json: JsonOpt = False,
+    file: opt.TopologyArg = None,
+    topology_file: opt.TopologyOpt = None,
+    url: opt.UrlOpt = None,
+    management_url: opt.MgmtOpt = None,
+    no_management: opt.NoMgmtOpt = False,
+    as_json: opt.JsonOpt = False,
 ) -> None:
     """Show what `declare` would create, and any conflict, without changing anything.
 
@@ -118,18 +103,18 @@ def plan(
     from rabbit_delay.sync import plan as sync_plan
     from rabbit_delay.sync._connection import close_quietly, connect_first
 
-    with errors_to_exit():
-        topology = resolve_topology(file, topology_file)
-        connection, broker = connect_first(url_for(url), name="rabbit-delay plan")
+    with opt.errors_to_exit():
+        topology = opt.resolve_topology(file, topology_file)
+        connection, broker = connect_first(opt.url_for(url), name="rabbit-delay plan")
         try:
             info = broker_info(connection)
-            access = management_access(info, broker, management_url, no_management)
+            access = opt.management_access(info, broker, management_url, no_management)
             observed, source = observe(access, topology)
             result = sync_plan(connection, topology, observed=observed)
         finally:
             close_quietly(connection)
     if as_json:
-        print_json(
+        opt.print_json(
             {
                 "in_sync": result.in_sync,
                 "source": source,
@@ -141,19 +126,19 @@ def plan(
     else:
         _print_plan(topology, broker, info, result, source)
         for conflict in result.conflicts:
-            out.print(f"[bold red]conflict:[/] {escape(conflict.describe())}")
+            opt.out.print(f"[bold red]conflict:[/] {escape(conflict.describe())}")
         state = "in sync" if result.in_sync else "changes pending"
-        out.print(f"{_summary(result)} -> {state}")
-    raise typer.Exit(EXIT_OK if result.in_sync else EXIT_PENDING)
+        opt.out.print(f"{_summary(result)} -> {state}")
+    raise typer.Exit(opt.EXIT_OK if result.in_sync else opt.EXIT_PENDING)
 
 
 def declare(
-    file: TopologyArg = None,
-    topology_file: TopologyOpt = None,
-    url: UrlOpt = None,
-    management_url: MgmtOpt = None,
-    no_management: NoMgmtOpt = False,
-    as_json: JsonOpt = False,
+    file: opt.TopologyArg = None,
+    topology_file: opt.TopologyOpt = None,
+    url: opt.UrlOpt = None,
+    management_url: opt.MgmtOpt = None,
+    no_management: opt.NoMgmtOpt = False,
+    as_json: opt.JsonOpt = False,
 ) -> None:
     """Declare the topology: tier buffers, due/catch-all/parking exchanges, business queues.
 
@@ -165,12 +150,12 @@ def declare(
     from rabbit_delay.sync import plan as sync_plan
     from rabbit_delay.sync._connection import close_quietly, connect_first
 
-    with errors_to_exit():
-        topology = resolve_topology(file, topology_file)
-        connection, broker = connect_first(url_for(url), name="rabbit-delay declare")
+    with opt.errors_to_exit():
+        topology = opt.resolve_topology(file, topology_file)
+        connection, broker = connect_first(opt.url_for(url), name="rabbit-delay declare")
         try:
             info = broker_info(connection)
-            access = management_access(info, broker, management_url, no_management)
+            access = opt.management_access(info, broker, management_url, no_management)
             observed, source = observe(access, topology)
             before = sync_plan(connection, topology, observed=observed)
             if not as_json:
@@ -179,7 +164,7 @@ def declare(
                 report = sync_declare(connection, topology, observed=observed)
             except DeclarationConflict as exc:
                 if as_json:
-                    print_json(  # the error document, with the plan that found it
+                    opt.print_json(  # the error document, with the plan that found it
                         {
                             "ok": False,
                             "error": str(exc),
@@ -192,7 +177,7 @@ def declare(
         finally:
             close_quietly(connection)
     if as_json:
-        print_json(
+        opt.print_json(
             {
                 "ok": True,
                 "changed": report.changed,
@@ -202,9 +187,9 @@ def declare(
             }
         )
         return
-    out.print(_table("result", report.items, _DONE_WORDS))
+    opt.out.print(_table("result", report.items, _DONE_WORDS))
     created = len(report.created)
-    out.print(
+    opt.out.print(
         f"{created} object(s) created"
         if report.changed
         else "nothing to do: everything was already in place"
