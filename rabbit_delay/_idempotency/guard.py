@@ -7,13 +7,10 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, fields
 from enum import StrEnum
 from functools import partial
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from rabbit_delay._envelope import now_ms as wall_clock_ms
 from rabbit_delay._errors import ConfigError
-
-if TYPE_CHECKING:
-    pass
 
 DEFAULT_PREFIX = "rabbit-delay:"
 
