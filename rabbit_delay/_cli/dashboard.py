@@ -12,22 +12,7 @@ from typing import Annotated
 
 import typer
 
-from rabbit_delay._cli.options import (
-    JsonOpt,
-    LogLevel,
-    LogLevelOpt,
-    MgmtOpt,
-    NoMgmtOpt,
-    TopologyArg,
-    TopologyOpt,
-    UrlOpt,
-    configure_logging,
-    errors_to_exit,
-    fail,
-    out,
-    resolve_topology,
-    url_for,
-)
+import rabbit_delay._cli.options as opt
 from rabbit_delay._durations import parse_positive_ms
 from rabbit_delay._errors import ConfigError
 from rabbit_delay._ops.dashboard.rules import (
@@ -46,9 +31,9 @@ log = logging.getLogger("rabbit_delay.dashboard")
 
 
 def dashboard(
-    file: TopologyArg = None,
-    topology_file: TopologyOpt = None,
-    url: UrlOpt = None,
+    file: opt.TopologyArg = None,
+    topology_file: opt.TopologyOpt = None,
+    url: opt.UrlOpt = None,
     port: Annotated[
         int, typer.Option("--port", "-p", min=0, max=65535, help="Port to listen on (0: any free).")
     ] = DEFAULT_PORT,
@@ -95,10 +80,10 @@ def dashboard(
             show_default=False,
         ),
     ] = None,
-    management_url: MgmtOpt = None,
-    no_management: NoMgmtOpt = False,
-    log_level: LogLevelOpt = LogLevel.INFO,
-    as_json: JsonOpt = False,
+    management_url: opt.MgmtOpt = None,
+    no_management: opt.NoMgmtOpt = False,
+    log_level: opt.LogLevelOpt = opt.LogLevel.INFO,
+    as_json: opt.JsonOpt = False,
 ) -> None:
     """Serve a web UI: the topology as a picture with live depths and what needs
     attention (the rules of `status --check`), the age of each tier's oldest message,
@@ -111,8 +96,8 @@ def dashboard(
     from rabbit_delay._ops.dashboard.execute import BrokerBackend
     from rabbit_delay._ops.dashboard.server import Dashboard, serve
 
-    configure_logging(log_level)
-    with errors_to_exit():
+    opt.configure_logging(log_level)
+    with opt.errors_to_exit():
         every_s = parse_positive_ms(refresh) / 1000
         if every_s < MIN_REFRESH_S:
             raise ConfigError(
@@ -121,8 +106,8 @@ def dashboard(
             )
         credentials = parse_auth(auth)
         check_binding(host, credentials)
-        topology = resolve_topology(file, topology_file)
-        urls = url_for(url)
+        topology = opt.resolve_topology(file, topology_file)
+        urls = opt.url_for(url)
         backend = BrokerBackend(
             topology,
             urls,
@@ -142,7 +127,7 @@ def dashboard(
     try:
         server, thread = serve(board, host, port)
     except OSError as exc:
-        fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}", kind="OSError")
+        opt.fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}", kind="OSError")
     # Before the start line: a SIGTERM sent as soon as it is read stops cleanly.
     stop = threading.Event()
     restore = install_stop_signals(lambda _name: stop.set())
@@ -169,7 +154,7 @@ def dashboard(
             flush=True,
         )
     else:
-        out.print(line, markup=False)
+        opt.out.print(line, markup=False)
     log.info("%s", line)
     try:
         while not stop.wait(0.5):

@@ -4,32 +4,21 @@ and declaring it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
+import rabbit_delay._cli.options as opt
 from rabbit_delay._broker import BrokerInfo
-from rabbit_delay._cli.options import (
-    EXIT_OK,
-    EXIT_PENDING,
-    JsonOpt,
-    MgmtOpt,
-    NoMgmtOpt,
-    TopologyArg,
-    TopologyOpt,
-    UrlOpt,
-    errors_to_exit,
-    management_access,
-    out,
-    print_json,
-    resolve_topology,
-    url_for,
-)
 from rabbit_delay._errors import DeclarationConflict
 from rabbit_delay._io.management import observe
 from rabbit_delay._plan.diff import Change, Plan, PlanItem
+from rabbit_delay._plan.program import DeclareReport
 from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import redact
 
@@ -91,8 +80,8 @@ def _table(
 def _print_plan(topology: Topology, broker: str, info: BrokerInfo, plan: Plan, source: str) -> None:
     """The plan's table, titled with the broker it was read from, and how it was read."""
     title = f"plan for {topology.names.prefix} on {redact(broker)} ({info.describe()})"
-    out.print(_table(escape(title), plan.items))
-    out.print(escape(f"read via {source}"))
+    opt.out.print(_table(escape(title), plan.items))
+    opt.out.print(escape(f"read via {source}"))
 
 
 def _summary(plan: Plan) -> str:
@@ -102,113 +91,126 @@ def _summary(plan: Plan) -> str:
     return ", ".join(f"{n} {a}" for a, n in counts.items())
 
 
-def plan(
-    file: TopologyArg = None,
-    topology_file: TopologyOpt = None,
-    url: UrlOpt = None,
-    management_url: MgmtOpt = None,
-    no_management: NoMgmtOpt = False,
-    as_json: JsonOpt = False,
-) -> None:
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """What `plan` and `declare` read first, on one connection: the topology's plan on
+    the broker, and how it was read."""
+
+    topology: Topology
+    broker: str
+    info: BrokerInfo
+    source: str
+    plan: Plan
+    declare: Callable[[], DeclareReport]  # declares the topology on that connection
+
+
+def _command(name: str, act: Callable[[_Read, bool], int]) -> Callable[..., None]:
+    """The command `name`: it takes the same options and reads the broker as `plan`
+    and `declare` do, then `act(read, as_json)` (whose docstring is its help) decides
+    the exit code, with the connection still open."""
+
+    def command(
+        file: opt.TopologyArg = None,
+        topology_file: opt.TopologyOpt = None,
+        url: opt.UrlOpt = None,
+        management_url: opt.MgmtOpt = None,
+        no_management: opt.NoMgmtOpt = False,
+        as_json: opt.JsonOpt = False,
+    ) -> None:
+        from rabbit_delay.sync import broker_info
+        from rabbit_delay.sync import declare as sync_declare
+        from rabbit_delay.sync import plan as sync_plan
+        from rabbit_delay.sync._connection import close_quietly, connect_first
+
+        with opt.errors_to_exit():
+            topology = opt.resolve_topology(file, topology_file)
+            connection, broker = connect_first(opt.url_for(url), name=f"rabbit-delay {name}")
+            try:
+                info = broker_info(connection)
+                access = opt.management_access(info, broker, management_url, no_management)
+                observed, source = observe(access, topology)
+                found = sync_plan(connection, topology, observed=observed)
+                declare = partial(sync_declare, connection, topology, observed=observed)
+                code = act(_Read(topology, broker, info, source, found, declare), as_json)
+            finally:
+                close_quietly(connection)
+        raise typer.Exit(code)
+
+    command.__name__ = name
+    command.__doc__ = act.__doc__
+    return command
+
+
+def _plan(read: _Read, as_json: bool) -> int:
     """Show what `declare` would create, and any conflict, without changing anything.
 
     Exit code: 0 in sync, 2 changes pending, 1 error (conflicts count as pending).
     """
-    from rabbit_delay.sync import broker_info
-    from rabbit_delay.sync import plan as sync_plan
-    from rabbit_delay.sync._connection import close_quietly, connect_first
-
-    with errors_to_exit():
-        topology = resolve_topology(file, topology_file)
-        connection, broker = connect_first(url_for(url), name="rabbit-delay plan")
-        try:
-            info = broker_info(connection)
-            access = management_access(info, broker, management_url, no_management)
-            observed, source = observe(access, topology)
-            result = sync_plan(connection, topology, observed=observed)
-        finally:
-            close_quietly(connection)
+    result = read.plan
     if as_json:
-        print_json(
+        opt.print_json(
             {
                 "in_sync": result.in_sync,
-                "source": source,
-                "broker": redact(broker),
-                "broker_version": info.version_text,
+                "source": read.source,
+                "broker": redact(read.broker),
+                "broker_version": read.info.version_text,
                 "items": _items_json(result.items),
             }
         )
     else:
-        _print_plan(topology, broker, info, result, source)
+        _print_plan(read.topology, read.broker, read.info, result, read.source)
         for conflict in result.conflicts:
-            out.print(f"[bold red]conflict:[/] {escape(conflict.describe())}")
+            opt.out.print(f"[bold red]conflict:[/] {escape(conflict.describe())}")
         state = "in sync" if result.in_sync else "changes pending"
-        out.print(f"{_summary(result)} -> {state}")
-    raise typer.Exit(EXIT_OK if result.in_sync else EXIT_PENDING)
+        opt.out.print(f"{_summary(result)} -> {state}")
+    return opt.EXIT_OK if result.in_sync else opt.EXIT_PENDING
 
 
-def declare(
-    file: TopologyArg = None,
-    topology_file: TopologyOpt = None,
-    url: UrlOpt = None,
-    management_url: MgmtOpt = None,
-    no_management: NoMgmtOpt = False,
-    as_json: JsonOpt = False,
-) -> None:
+def _declare(read: _Read, as_json: bool) -> int:
     """Declare the topology: tier buffers, due/catch-all/parking exchanges, business queues.
 
     Idempotent. Shows the plan first; stops without changing anything when an object
     exists with other arguments.
     """
-    from rabbit_delay.sync import broker_info
-    from rabbit_delay.sync import declare as sync_declare
-    from rabbit_delay.sync import plan as sync_plan
-    from rabbit_delay.sync._connection import close_quietly, connect_first
-
-    with errors_to_exit():
-        topology = resolve_topology(file, topology_file)
-        connection, broker = connect_first(url_for(url), name="rabbit-delay declare")
-        try:
-            info = broker_info(connection)
-            access = management_access(info, broker, management_url, no_management)
-            observed, source = observe(access, topology)
-            before = sync_plan(connection, topology, observed=observed)
-            if not as_json:
-                _print_plan(topology, broker, info, before, source)
-            try:
-                report = sync_declare(connection, topology, observed=observed)
-            except DeclarationConflict as exc:
-                if as_json:
-                    print_json(  # the error document, with the plan that found it
-                        {
-                            "ok": False,
-                            "error": str(exc),
-                            "kind": type(exc).__name__,
-                            "source": source,
-                            "items": _items_json(before.items),
-                        }
-                    )
-                raise
-        finally:
-            close_quietly(connection)
+    if not as_json:
+        _print_plan(read.topology, read.broker, read.info, read.plan, read.source)
+    try:
+        report = read.declare()
+    except DeclarationConflict as exc:
+        if as_json:
+            opt.print_json(  # the error document, with the plan that found it
+                {
+                    "ok": False,
+                    "error": str(exc),
+                    "kind": type(exc).__name__,
+                    "source": read.source,
+                    "items": _items_json(read.plan.items),
+                }
+            )
+        raise
     if as_json:
-        print_json(
+        opt.print_json(
             {
                 "ok": True,
                 "changed": report.changed,
-                "source": source,
-                "broker_version": info.version_text,
+                "source": read.source,
+                "broker_version": read.info.version_text,
                 "items": _items_json(report.items, _DONE_WORDS),
             }
         )
-        return
-    out.print(_table("result", report.items, _DONE_WORDS))
+        return opt.EXIT_OK
+    opt.out.print(_table("result", report.items, _DONE_WORDS))
     created = len(report.created)
-    out.print(
+    opt.out.print(
         f"{created} object(s) created"
         if report.changed
         else "nothing to do: everything was already in place"
     )
+    return opt.EXIT_OK
+
+
+plan = _command("plan", _plan)
+declare = _command("declare", _declare)
 
 
 __all__ = ["declare", "plan"]

@@ -8,23 +8,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from rabbit_delay._cli.options import (
-    EXIT_ERROR,
-    EXIT_OK,
-    JsonOpt,
-    MgmtOpt,
-    NoMgmtOpt,
-    TopologyArg,
-    TopologyOpt,
-    UrlOpt,
-    errors_to_exit,
-    exit_on_failure,
-    management_access,
-    out,
-    print_json,
-    resolve_topology,
-    url_for,
-)
+import rabbit_delay._cli.options as opt
 from rabbit_delay._ops.delete.rules import DeleteReport, Target
 
 
@@ -42,13 +26,13 @@ def _targets_table(title: str, rows: list[tuple[Target, str]]) -> Table:
 def _print(report: DeleteReport) -> None:
     p = report.plan
     if p.refused:
-        out.print(
+        opt.out.print(
             escape(f"refused: {len(p.blocked)} queue(s) of {p.namespace} are not drained:"),
             style="bold red",
         )
         for b in p.blocked:
-            out.print(escape(f"  {b.name}: {b.reason}"))
-        out.print(
+            opt.out.print(escape(f"  {b.name}: {b.reason}"))
+        opt.out.print(
             "Nothing was deleted. Drain them (stop the publishers, wait for the buffers, "
             "handle or replay the parked messages), or pass --force to delete them with "
             "their messages."
@@ -56,23 +40,25 @@ def _print(report: DeleteReport) -> None:
         return
     if report.dry_run:
         rows = [(t, "would delete") for t in p.delete] + [(t, "missing") for t in p.missing]
-        out.print(_targets_table(f"dry run: delete {p.namespace}", rows))
+        opt.out.print(_targets_table(f"dry run: delete {p.namespace}", rows))
         lost = sum(b.state.held for b in p.blocked)
         forced = f", with {lost} message(s) (--force)" if p.blocked else ""
-        out.print(escape(f"would delete {len(p.delete)} object(s){forced}; nothing was changed"))
+        opt.out.print(
+            escape(f"would delete {len(p.delete)} object(s){forced}; nothing was changed")
+        )
         return
     rows = [(t, "deleted") for t in report.deleted] + [(t, "missing") for t in p.missing]
     if rows:
-        out.print(_targets_table(f"delete {p.namespace}", rows))
+        opt.out.print(_targets_table(f"delete {p.namespace}", rows))
     if not p.delete and not report.deleted:
-        out.print(escape(f"nothing to delete: no object of {p.namespace} is on the broker"))
+        opt.out.print(escape(f"nothing to delete: no object of {p.namespace} is on the broker"))
     else:
-        out.print(escape(f"deleted {len(report.deleted)} object(s) of {p.namespace}"))
+        opt.out.print(escape(f"deleted {len(report.deleted)} object(s) of {p.namespace}"))
 
 
 def delete(
-    file: TopologyArg = None,
-    topology_file: TopologyOpt = None,
+    file: opt.TopologyArg = None,
+    topology_file: opt.TopologyOpt = None,
     force: Annotated[
         bool,
         typer.Option(
@@ -82,10 +68,10 @@ def delete(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="List what would be deleted; change nothing.")
     ] = False,
-    url: UrlOpt = None,
-    management_url: MgmtOpt = None,
-    no_management: NoMgmtOpt = False,
-    as_json: JsonOpt = False,
+    url: opt.UrlOpt = None,
+    management_url: opt.MgmtOpt = None,
+    no_management: opt.NoMgmtOpt = False,
+    as_json: opt.JsonOpt = False,
 ) -> None:
     """Delete a drained topology version: every queue and exchange the topology file
     declares (and shards past a lowered count), nothing of another namespace or version.
@@ -98,23 +84,20 @@ def delete(
     from rabbit_delay.sync import broker_info
     from rabbit_delay.sync._connection import close_quietly, connect_first
 
-    with errors_to_exit():
-        topology = resolve_topology(file, topology_file)
-        connection, broker = connect_first(url_for(url), name="rabbit-delay delete")
+    with opt.errors_to_exit():
+        topology = opt.resolve_topology(file, topology_file)
+        connection, broker = connect_first(opt.url_for(url), name="rabbit-delay delete")
         try:
             info = broker_info(connection)
-            endpoint = management_access(info, broker, management_url, no_management).endpoint
+            endpoint = opt.management_access(info, broker, management_url, no_management).endpoint
             report = sync_delete(
                 connection, topology, force=force, dry_run=dry_run, endpoint=endpoint
             )
         finally:
             close_quietly(connection)
-    if as_json:
-        print_json(report.as_json())
-    else:
-        _print(report)
-    exit_on_failure(report.error, as_json=as_json)
-    raise typer.Exit(EXIT_ERROR if report.plan.refused else EXIT_OK)
+    opt.print_result(report, as_json, _print)
+    opt.exit_on_failure(report.error, as_json=as_json)
+    raise typer.Exit(opt.EXIT_ERROR if report.plan.refused else opt.EXIT_OK)
 
 
 __all__ = ["delete"]

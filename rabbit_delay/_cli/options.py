@@ -17,12 +17,12 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, Protocol, TypeVar
 
 import typer
 from rich.console import Console
@@ -168,6 +168,24 @@ def _write_json(data: Any) -> None:
 def print_json(data: Any) -> None:
     """The command's result as one JSON document on stdout (redacted)."""
     _write_json(data)
+
+
+class Reported(Protocol):
+    """A command's result: what it says to scripts (`as_json`)."""
+
+    def as_json(self) -> Any: ...
+
+
+ResultT = TypeVar("ResultT", bound=Reported)
+
+
+def print_result(result: ResultT, as_json: bool, show: Callable[[ResultT], None]) -> None:
+    """A command's result: its JSON document under --json, else `show(result)` renders
+    it for people."""
+    if as_json:
+        print_json(result.as_json())
+    else:
+        show(result)
 
 
 def count_cell(value: int | None) -> str:
@@ -378,6 +396,7 @@ __all__ = [
     "management_access",
     "out",
     "print_json",
+    "print_result",
     "report_error",
     "resolve_topology",
     "url_for",

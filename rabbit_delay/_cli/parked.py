@@ -14,20 +14,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from rabbit_delay._cli.options import (
-    EXIT_ERROR,
-    EXIT_OK,
-    JsonOpt,
-    TopologyOpt,
-    UrlOpt,
-    err,
-    errors_to_exit,
-    fail,
-    out,
-    print_json,
-    resolve_topology,
-    url_for,
-)
+import rabbit_delay._cli.options as opt
 from rabbit_delay._ops.parked.rules import DEFAULT_LIMIT, ParkedDetail, ParkedPage
 from rabbit_delay._urls import redact
 
@@ -69,6 +56,12 @@ def _page_table(p: ParkedPage) -> Table:
     return table
 
 
+def _print_page(p: ParkedPage) -> None:
+    if p.items:
+        opt.out.print(_page_table(p))
+    opt.out.print(escape(_summary_line(p)))
+
+
 def _summary_line(p: ParkedPage) -> str:
     if not p.total:
         return f"{p.parking_queue} is empty"
@@ -84,7 +77,7 @@ def _summary_line(p: ParkedPage) -> str:
 @parked_app.command("list")
 def list_command(
     queue: QueueArg,
-    file: TopologyOpt = None,
+    file: opt.TopologyOpt = None,
     limit: Annotated[
         int, typer.Option("--limit", "-n", min=1, help="Show at most N messages.")
     ] = DEFAULT_LIMIT,
@@ -92,33 +85,25 @@ def list_command(
         int,
         typer.Option("--offset", min=0, help="Start at this position (0 = the oldest message)."),
     ] = 0,
-    url: UrlOpt = None,
-    as_json: JsonOpt = False,
+    url: opt.UrlOpt = None,
+    as_json: opt.JsonOpt = False,
 ) -> None:
     """List parked messages, oldest first: message id, reason, error type and message,
     attempts, first and last failure. Nothing is moved and the order is kept."""
     from rabbit_delay._ops.parked.execute import list_parked
-    from rabbit_delay.sync._connection import close_quietly, connect_first
+    from rabbit_delay.sync import connected
 
-    with errors_to_exit():
-        topology = resolve_topology(file)
-        connection, _ = connect_first(url_for(url), name="rabbit-delay parked list")
-        try:
+    with opt.errors_to_exit():
+        topology = opt.resolve_topology(file)
+        with connected(opt.url_for(url), name="rabbit-delay parked list") as connection:
             found = list_parked(connection, topology, queue, offset=offset, limit=limit)
-        finally:
-            close_quietly(connection)
-    if as_json:
-        print_json(found.as_json())
-    else:
-        if found.items:
-            out.print(_page_table(found))
-        out.print(escape(_summary_line(found)))
-    raise typer.Exit(EXIT_OK)
+    opt.print_result(found, as_json, _print_page)
+    raise typer.Exit(opt.EXIT_OK)
 
 
 def _print_detail(d: ParkedDetail, total: int) -> None:
     item = d.item
-    out.print(
+    opt.out.print(
         escape(f"message {item.message_id} (position {item.position} of {total})"), style="bold"
     )
     error = ": ".join(x for x in (item.error_type, item.error_message) if x is not None)
@@ -136,26 +121,26 @@ def _print_detail(d: ParkedDetail, total: int) -> None:
         ("last exchange", f"{d.exchange} [{d.routing_key}]"),
     ):
         if value is not None:
-            out.print(f"  {label}: ", end="")
-            out.print(redact(str(value)), markup=False, highlight=False)
-    out.print("headers:", style="bold")
+            opt.out.print(f"  {label}: ", end="")
+            opt.out.print(redact(str(value)), markup=False, highlight=False)
+    opt.out.print("headers:", style="bold")
     for name, value in d.headers.items():
-        out.print(f"  {name}: ", end="", markup=False)
-        out.print(redact(repr(value) if not isinstance(value, str) else value), markup=False)
+        opt.out.print(f"  {name}: ", end="", markup=False)
+        opt.out.print(redact(repr(value) if not isinstance(value, str) else value), markup=False)
     if d.traceback is not None:
-        out.print("traceback:", style="bold")
-        out.print(d.traceback, markup=False)
-    out.print(f"body ({d.body.size} bytes, shown as {d.body.encoding}):", style="bold")
-    out.print(d.body.text, markup=False)
+        opt.out.print("traceback:", style="bold")
+        opt.out.print(d.traceback, markup=False)
+    opt.out.print(f"body ({d.body.size} bytes, shown as {d.body.encoding}):", style="bold")
+    opt.out.print(d.body.text, markup=False)
 
 
 @parked_app.command("show")
 def show_command(
     queue: QueueArg,
     message_id: Annotated[str, typer.Argument(help="The message_id of the parked message.")],
-    file: TopologyOpt = None,
-    url: UrlOpt = None,
-    as_json: JsonOpt = False,
+    file: opt.TopologyOpt = None,
+    url: opt.UrlOpt = None,
+    as_json: opt.JsonOpt = False,
 ) -> None:
     """Show one parked message in full: every header, the traceback and the body
     (pretty-printed JSON, text, or base64 for binary). Nothing is moved.
@@ -164,24 +149,21 @@ def show_command(
     """
     from rabbit_delay._ops.parked.execute import show_parked
     from rabbit_delay._ops.parked.rules import parking_lot
-    from rabbit_delay.sync._connection import close_quietly, connect_first
+    from rabbit_delay.sync import connected
 
-    with errors_to_exit():
-        topology = resolve_topology(file)
+    with opt.errors_to_exit():
+        topology = opt.resolve_topology(file)
         _, lot = parking_lot(topology, queue)
-        connection, _ = connect_first(url_for(url), name="rabbit-delay parked show")
-        try:
+        with connected(opt.url_for(url), name="rabbit-delay parked show") as connection:
             total, copies = show_parked(connection, topology, queue, message_id)
-        finally:
-            close_quietly(connection)
     if not copies:
-        fail(
+        opt.fail(
             f"no message with id {message_id!r} in {lot} ({total} message(s) there; "
             f"`rabbit-delay parked list {queue}` lists them)",
             kind="MessageNotFound",
         )
     if as_json:
-        print_json(
+        opt.print_json(
             {
                 "parking_queue": lot,
                 "message_id": message_id,
@@ -189,62 +171,61 @@ def show_command(
                 "copies": [d.as_json() for d in copies],
             }
         )
-        raise typer.Exit(EXIT_OK)
+        raise typer.Exit(opt.EXIT_OK)
     for i, d in enumerate(copies):
         if i:
-            out.print()
+            opt.out.print()
         _print_detail(d, total)
     if len(copies) > 1:
-        out.print(f"{len(copies)} messages with this id (at-least-once: a copy parked twice)")
-    raise typer.Exit(EXIT_OK)
+        opt.out.print(f"{len(copies)} messages with this id (at-least-once: a copy parked twice)")
+    raise typer.Exit(opt.EXIT_OK)
 
 
 @parked_app.command("purge")
 def purge_command(
     queue: QueueArg,
-    file: TopologyOpt = None,
+    file: opt.TopologyOpt = None,
     yes: Annotated[
         bool, typer.Option("--yes", "-y", help="Purge without asking (needed without a terminal).")
     ] = False,
-    url: UrlOpt = None,
-    as_json: JsonOpt = False,
+    url: opt.UrlOpt = None,
+    as_json: opt.JsonOpt = False,
 ) -> None:
     """Delete every message parked for QUEUE: they cannot be recovered. Asks first
     unless --yes. Exit code 1 when not confirmed (nothing purged)."""
     from rabbit_delay._ops.parked.execute import parked_count, purge_parked
     from rabbit_delay._ops.parked.rules import parking_lot
-    from rabbit_delay.sync._connection import close_quietly, connect_first
+    from rabbit_delay.sync import connected
 
-    with errors_to_exit():
-        topology = resolve_topology(file)
+    with opt.errors_to_exit():
+        topology = opt.resolve_topology(file)
         _, lot = parking_lot(topology, queue)
-        connection, _ = connect_first(url_for(url), name="rabbit-delay parked purge")
-        try:
+        with connected(opt.url_for(url), name="rabbit-delay parked purge") as connection:
             counted = parked_count(connection, topology, queue)
             purged = 0
             if counted:
                 if not yes:
                     if not sys.stdin.isatty():
-                        fail(
+                        opt.fail(
                             f"{lot} holds {counted} message(s); not asking without a terminal "
                             "(stdin is not one): pass --yes to purge them. Nothing was purged"
                         )
                     question = f"Purge {counted} message(s) from {lot}? They cannot be recovered"
                     if not typer.confirm(question, default=False, err=True):
-                        err.print("nothing was purged")
-                        raise typer.Exit(EXIT_ERROR)
+                        opt.err.print("nothing was purged")
+                        raise typer.Exit(opt.EXIT_ERROR)
                 purged = purge_parked(connection, topology, queue)
-        finally:
-            close_quietly(connection)
     if as_json:
-        print_json({"parking_queue": lot, "counted": counted, "purged": purged})
+        opt.print_json({"parking_queue": lot, "counted": counted, "purged": purged})
     elif not counted:
-        out.print(escape(f"{lot} is empty: nothing to purge"))
+        opt.out.print(escape(f"{lot} is empty: nothing to purge"))
     else:
-        out.print(escape(f"purged {purged} message(s) from {lot}"))
+        opt.out.print(escape(f"purged {purged} message(s) from {lot}"))
         if purged != counted:
-            out.print(escape(f"({counted} were there when counted: the lot changed in between)"))
-    raise typer.Exit(EXIT_OK)
+            opt.out.print(
+                escape(f"({counted} were there when counted: the lot changed in between)")
+            )
+    raise typer.Exit(opt.EXIT_OK)
 
 
 __all__ = ["list_command", "parked_app", "purge_command", "show_command"]

@@ -8,17 +8,7 @@ from typing import Annotated
 
 import typer
 
-from rabbit_delay._cli.options import (
-    JsonOpt,
-    TopologyOpt,
-    UrlOpt,
-    errors_to_exit,
-    fail,
-    out,
-    print_json,
-    resolve_topology,
-    url_for,
-)
+import rabbit_delay._cli.options as opt
 from rabbit_delay._durations import format_ms, iso_ms, parse_ms
 from rabbit_delay._errors import DurationError
 from rabbit_delay._headers import H_DELAY_MS, H_DUE_AT, H_TIER
@@ -30,7 +20,7 @@ def _parse_delay(delay: str | None) -> timedelta | None:
     try:
         return timedelta(milliseconds=parse_ms(delay))
     except DurationError as exc:
-        fail(f"--delay: {exc}", kind=type(exc).__name__)
+        opt.fail(f"--delay: {exc}", kind=type(exc).__name__)
 
 
 def publish(
@@ -59,9 +49,9 @@ def publish(
     message_id: Annotated[
         str | None, typer.Option("--message-id", help="Idempotency key (default: generated).")
     ] = None,
-    file: TopologyOpt = None,
-    url: UrlOpt = None,
-    as_json: JsonOpt = False,
+    file: opt.TopologyOpt = None,
+    url: opt.UrlOpt = None,
+    as_json: opt.JsonOpt = False,
 ) -> None:
     """Publish one delayed JSON message (confirmed, persistent, mandatory)."""
     from rabbit_delay.sync import Publisher
@@ -71,13 +61,13 @@ def publish(
     try:
         body = json.loads(message)
     except json.JSONDecodeError as exc:
-        fail(f"MESSAGE is not valid JSON ({exc}); quote it, e.g. '{{\"order_id\": 42}}'")
+        opt.fail(f"MESSAGE is not valid JSON ({exc}); quote it, e.g. '{{\"order_id\": 42}}'")
     if not isinstance(body, dict | list):
-        fail("MESSAGE must be a JSON object or array")
-    with errors_to_exit():
-        topology = resolve_topology(file)
+        opt.fail("MESSAGE must be a JSON object or array")
+    with opt.errors_to_exit():
+        topology = opt.resolve_topology(file)
         # several URLs travel as one comma-separated string (the connect helpers split it)
-        with Publisher(topology, ",".join(url_for(url))) as publisher:
+        with Publisher(topology, ",".join(opt.url_for(url))) as publisher:
             out_msg = publisher.prepare(
                 body,
                 tier,
@@ -101,9 +91,9 @@ def publish(
         "due_at_ms": due_at_ms,
     }
     if as_json:
-        print_json(result)
+        opt.print_json(result)
     else:
-        out.print(
+        opt.out.print(
             f"published {result['message_id']} via {result['exchange']} ({result['tier']}), "
             f"due at {result['due_at']} (in {result['delay']})",
             markup=False,

@@ -8,23 +8,7 @@ from typing import Annotated
 
 import typer
 
-from rabbit_delay._cli.options import (
-    EXIT_ERROR,
-    EXIT_OK,
-    AppDirOpt,
-    JsonOpt,
-    LogLevel,
-    LogLevelOpt,
-    TargetArg,
-    UrlOpt,
-    configure_logging,
-    errors_to_exit,
-    fail,
-    load_app,
-    out,
-    print_json,
-    url_for,
-)
+import rabbit_delay._cli.options as opt
 from rabbit_delay._consumer.app import App
 from rabbit_delay._consumer.worker import worker_identity
 from rabbit_delay._reconcile import Reconciler, ReconcileResult
@@ -36,12 +20,12 @@ NameOpt = Annotated[
 
 
 def reconcile(
-    target: TargetArg,
+    target: opt.TargetArg,
     name: NameOpt = None,
-    app_dir: AppDirOpt = Path("."),
-    log_level: LogLevelOpt = LogLevel.WARNING,
-    json_out: JsonOpt = False,
-    url: UrlOpt = None,
+    app_dir: opt.AppDirOpt = Path("."),
+    log_level: opt.LogLevelOpt = opt.LogLevel.WARNING,
+    json_out: opt.JsonOpt = False,
+    url: opt.UrlOpt = None,
 ) -> None:
     """Run the reconcilers of MODULE:APP once, now: each finds what should have fired and
     did not, and re-submits it (the guard runs each handler once).
@@ -51,23 +35,23 @@ def reconcile(
     each one ran or was running elsewhere, 1 when one failed (its function raised, a
     re-submission was refused or not confirmed, the store failed).
     """
-    configure_logging(log_level)
-    with errors_to_exit():
-        the_app = load_app(target, app_dir)
+    opt.configure_logging(log_level)
+    with opt.errors_to_exit():
+        the_app = opt.load_app(target, app_dir)
         chosen = the_app.select_reconcilers(name)
         if not chosen:
-            fail('the app has no reconcilers: register one with @app.reconcile(every="10m")')
-        urls = url_for(url)
+            opt.fail('the app has no reconcilers: register one with @app.reconcile(every="10m")')
+        urls = opt.url_for(url)
         if any(r.is_async for r in chosen):
             results = asyncio.run(_run_async(the_app, chosen, urls))
         else:
             results = _run_sync(the_app, chosen, urls)
     if json_out:
-        print_json({"reconcilers": [r.as_dict() for r in results]})
+        opt.print_json({"reconcilers": [r.as_dict() for r in results]})
     else:
         for result in results:
-            out.print(describe(result), markup=False)
-    raise typer.Exit(EXIT_ERROR if any(r.failed for r in results) else EXIT_OK)
+            opt.out.print(describe(result), markup=False)
+    raise typer.Exit(opt.EXIT_ERROR if any(r.failed for r in results) else opt.EXIT_OK)
 
 
 def describe(result: ReconcileResult) -> str:

@@ -11,20 +11,7 @@ from typing import Annotated
 
 import typer
 
-from rabbit_delay._cli.options import (
-    LogLevel,
-    LogLevelOpt,
-    MetricsPortOpt,
-    TopologyArg,
-    TopologyOpt,
-    UrlOpt,
-    configure_logging,
-    errors_to_exit,
-    fail,
-    out,
-    resolve_topology,
-    url_for,
-)
+import rabbit_delay._cli.options as opt
 from rabbit_delay._stop_signals import install_stop_signals
 from rabbit_delay._urls import redact
 from rabbit_delay.outbox import DEFAULT_TABLE, Relay, RelayStats
@@ -81,8 +68,8 @@ OnceJsonOpt = Annotated[bool, typer.Option("--json", help="With --once: print th
 
 
 def relay(
-    file: TopologyArg = None,
-    topology_file: TopologyOpt = None,
+    file: opt.TopologyArg = None,
+    topology_file: opt.TopologyOpt = None,
     db: DbOpt = None,
     table: TableOpt = DEFAULT_TABLE,
     batch: BatchOpt = DEFAULT_RELAY_BATCH,
@@ -92,10 +79,10 @@ def relay(
     max_poll: MaxPollOpt = DEFAULT_MAX_POLL,
     lease: LeaseOpt = DEFAULT_RELAY_LEASE,
     install: InstallOpt = False,
-    metrics_port: MetricsPortOpt = None,
-    log_level: LogLevelOpt = LogLevel.INFO,
+    metrics_port: opt.MetricsPortOpt = None,
+    log_level: opt.LogLevelOpt = opt.LogLevel.INFO,
     as_json: OnceJsonOpt = False,
-    url: UrlOpt = None,
+    url: opt.UrlOpt = None,
 ) -> None:
     """Publish the committed rows of an outbox table, confirmed, and mark them sent.
 
@@ -103,14 +90,14 @@ def relay(
     --once relays what is there and exits: 0, or 1 if a row could not be published
     (kept in the table with its error) or the broker or database failed.
     """
-    configure_logging(log_level)
+    opt.configure_logging(log_level)
     if file is not None and topology_file is not None:
-        fail("give the topology file once: as the FILE argument or with -f/--topology")
+        opt.fail("give the topology file once: as the FILE argument or with -f/--topology")
     db = db or os.environ.get(DB_ENV)
     if not db:
-        fail(f"name the outbox's database with --db URL (or ${DB_ENV})")
-    with errors_to_exit():
-        topology = resolve_topology(file or topology_file)
+        opt.fail(f"name the outbox's database with --db URL (or ${DB_ENV})")
+    with opt.errors_to_exit():
+        topology = opt.resolve_topology(file or topology_file)
         metrics = None
         if metrics_port is not None:
             from rabbit_delay._io.endpoints import start_metrics_server
@@ -121,7 +108,7 @@ def relay(
         the_relay = Relay(
             topology,
             db,
-            url=url_for(url),
+            url=opt.url_for(url),
             table=table,
             batch=batch,
             poll=poll,
@@ -163,7 +150,7 @@ def _once(the_relay: Relay, as_json: bool) -> None:
     if as_json:
         sys.stdout.write(redact(json.dumps(_stats_json(stats, pending), indent=2)) + "\n")
     else:
-        out.print(
+        opt.out.print(
             f"relayed {stats.relayed} row(s) from {the_relay.shown_db} table "
             f"{the_relay.table!r}; {stats.refused} refused, {stats.retried} taken again, "
             f"{stats.cleaned} sent row(s) cleaned up; {pending} pending",

@@ -14,22 +14,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from rabbit_delay._cli.options import (
-    EXIT_OK,
-    JsonOpt,
-    TopologyArg,
-    TopologyOpt,
-    UrlOpt,
-    count_cell,
-    err,
-    errors_to_exit,
-    exit_on_failure,
-    fail,
-    out,
-    print_json,
-    resolve_topology,
-    url_for,
-)
+import rabbit_delay._cli.options as opt
 from rabbit_delay._urls import redact
 
 if TYPE_CHECKING:
@@ -64,7 +49,7 @@ def _preview_table(preview: Preview) -> Table:
         table.add_row(
             escape(str(s["message_id"])),
             escape(error[:200]),
-            count_cell(s["attempts"] if isinstance(s["attempts"], int) else None),
+            opt.count_cell(s["attempts"] if isinstance(s["attempts"], int) else None),
             escape(str(s["park_reason"] or "")),
             escape(str(s["parked_at"] or "")),
             action,
@@ -89,11 +74,11 @@ def _progress(
     """A callback advancing a rich progress bar (on stdout, gone when done) over the
     messages a replay from `source` moves at most (`held()` counts them, asked only
     when a bar may be shown); None when no bar is shown."""
-    if not (wanted and out.is_terminal):
+    if not (wanted and opt.out.is_terminal):
         yield None
         return
     total = held() if limit is None else min(limit, held())
-    if not shows_progress(out.is_terminal, wanted, total):
+    if not shows_progress(opt.out.is_terminal, wanted, total):
         yield None
         return
     columns = (
@@ -102,7 +87,7 @@ def _progress(
         MofNCompleteColumn(),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=out, transient=True) as bar:
+    with Progress(*columns, console=opt.out, transient=True) as bar:
         task = bar.add_task(escape(f"replaying from {source}"), total=total)
         yield lambda _moved: bar.advance(task)
 
@@ -125,8 +110,8 @@ def replay(
             show_default=False,
         ),
     ] = None,
-    file: TopologyArg = None,
-    topology_file: TopologyOpt = None,
+    file: opt.TopologyArg = None,
+    topology_file: opt.TopologyOpt = None,
     limit: Annotated[
         int | None,
         typer.Option("--limit", "-n", min=1, help="Move at most N messages.", show_default=False),
@@ -158,10 +143,10 @@ def replay(
             show_default=False,
         ),
     ] = None,
-    url: UrlOpt = None,
+    url: opt.UrlOpt = None,
     management_url: _UnusedMgmtOpt = None,
     no_management: _UnusedNoMgmtOpt = False,
-    as_json: JsonOpt = False,
+    as_json: opt.JsonOpt = False,
 ) -> None:
     """Move parked messages back to their business queue as first attempts (rd-attempt 1).
 
@@ -176,27 +161,28 @@ def replay(
         replay_unroutable,
     )
     from rabbit_delay._ops.replay.rules import resolve_queue
-    from rabbit_delay.sync._connection import close_quietly, connect_first
+    from rabbit_delay.sync import connected
 
     if tier is not None and now:
-        fail("give either --tier or --now, not both")
+        opt.fail("give either --tier or --now, not both")
     if message_id is not None and (unroutable or dry_run or limit is not None):
-        fail(
+        opt.fail(
             "--message-id replays one parked message: not with --unroutable, --dry-run or "
             "--limit (`rabbit-delay parked show QUEUE ID` shows it)"
         )
     if unroutable:
         if tier is not None:
-            fail("--tier does not apply to --unroutable: catch-all messages are already due")
+            opt.fail("--tier does not apply to --unroutable: catch-all messages are already due")
         if queue is not None and file is None and topology_file is None and _looks_like_file(queue):
             file, queue = Path(queue), None
     elif queue is None or (file is None and topology_file is None and _looks_like_file(queue)):
-        fail("name the QUEUE whose parking lot to replay, or pass --unroutable for the catch-all")
+        opt.fail(
+            "name the QUEUE whose parking lot to replay, or pass --unroutable for the catch-all"
+        )
 
-    with errors_to_exit():
-        topology = resolve_topology(file, topology_file)
-        connection, _ = connect_first(url_for(url), name="rabbit-delay replay")
-        try:
+    with opt.errors_to_exit():
+        topology = opt.resolve_topology(file, topology_file)
+        with connected(opt.url_for(url), name="rabbit-delay replay") as connection:
             if dry_run:
                 if unroutable:
                     preview = preview_unroutable(connection, topology, queue=queue, limit=limit)
@@ -230,33 +216,31 @@ def replay(
                             progress=advance,
                             message_id=message_id,
                         )
-        finally:
-            close_quietly(connection)
 
     if dry_run:
         if as_json:
-            print_json(_preview_json(preview))
+            opt.print_json(_preview_json(preview))
         else:
-            out.print(_preview_table(preview))
+            opt.out.print(_preview_table(preview))
             moving = sum(1 for p in preview.messages if p.moves)
             shown = len(preview.messages)
             more = f" (showing {shown} of {preview.held})" if shown < preview.held else ""
-            out.print(f"would move {moving} message(s){escape(more)}; nothing was changed")
-        raise typer.Exit(EXIT_OK)
+            opt.out.print(f"would move {moving} message(s){escape(more)}; nothing was changed")
+        raise typer.Exit(opt.EXIT_OK)
 
     if as_json:
-        print_json(report.as_json())
+        opt.print_json(report.as_json())
     else:
         moved = f"moved {len(report.moved)} message(s) from {report.source} to {report.destination}"
-        out.print(escape(moved))
+        opt.out.print(escape(moved))
         for message_id, why in report.left:
-            err.print("[yellow]left in place:[/] ", end="")
-            err.print(redact(f"{message_id}: {why}"), markup=False)
-    exit_on_failure(report.error, as_json=as_json)
+            opt.err.print("[yellow]left in place:[/] ", end="")
+            opt.err.print(redact(f"{message_id}: {why}"), markup=False)
+    opt.exit_on_failure(report.error, as_json=as_json)
     if message_id is not None and not report.moved:
         nothing = f"no message with id {message_id!r} in {report.source}: nothing was replayed"
-        exit_on_failure(nothing, as_json=as_json)
-    raise typer.Exit(EXIT_OK)
+        opt.exit_on_failure(nothing, as_json=as_json)
+    raise typer.Exit(opt.EXIT_OK)
 
 
 __all__ = ["PROGRESS_MIN", "replay", "shows_progress"]

@@ -17,22 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from rabbit_delay._cli.options import (
-    EXIT_OK,
-    JsonOpt,
-    MgmtOpt,
-    NoMgmtOpt,
-    TopologyArg,
-    TopologyOpt,
-    UrlOpt,
-    count_cell,
-    errors_to_exit,
-    fail,
-    out,
-    print_json,
-    resolve_topology,
-    url_for,
-)
+import rabbit_delay._cli.options as opt
 from rabbit_delay._durations import format_ms, iso_ms, parse_positive_ms
 from rabbit_delay._envelope import now_ms
 from rabbit_delay._errors import RabbitDelayError
@@ -74,9 +59,9 @@ def _status_table(title: str, rows: list[QueueRow]) -> Table:
             row.role.value,
             escape(row.name),
             format_ms(row.ttl_ms) if row.ttl_ms is not None else "",
-            count_cell(row.ready),
-            count_cell(row.unacked),
-            count_cell(row.consumers),
+            opt.count_cell(row.ready),
+            opt.count_cell(row.unacked),
+            opt.count_cell(row.consumers),
             oldest_cell(row),
         ]
         if placement:
@@ -101,7 +86,7 @@ def render_status(status: Status) -> Group:
     parts: list[RenderableType] = [_status_table(escape(_title(status)), status.rows)]
     parts += [Text(redact(note)) for note in status.notes]
     if status.plugin is not None:
-        held = count_cell(status.plugin.delayed)
+        held = opt.count_cell(status.plugin.delayed)
         parts.append(Text(f"plugin store ({status.plugin.exchange}): {held} message(s) delayed"))
     items = status.attention_items()
     for item in items:
@@ -130,7 +115,7 @@ def _watch(read: Callable[[], Status], interval_ms: int) -> None:
 
     restore = install_stop_signals(on_signal)
     try:
-        with Live(console=out, auto_refresh=False) as live:
+        with Live(console=opt.out, auto_refresh=False) as live:
             while not stop.is_set():
                 try:
                     view: RenderableType = render_status(read())
@@ -145,11 +130,11 @@ def _watch(read: Callable[[], Status], interval_ms: int) -> None:
 
 
 def status(
-    file: TopologyArg = None,
-    topology_file: TopologyOpt = None,
-    url: UrlOpt = None,
-    management_url: MgmtOpt = None,
-    no_management: NoMgmtOpt = False,
+    file: opt.TopologyArg = None,
+    topology_file: opt.TopologyOpt = None,
+    url: opt.UrlOpt = None,
+    management_url: opt.MgmtOpt = None,
+    no_management: opt.NoMgmtOpt = False,
     check: Annotated[
         bool,
         typer.Option(
@@ -172,7 +157,7 @@ def status(
             show_default=False,
         ),
     ] = None,
-    as_json: JsonOpt = False,
+    as_json: opt.JsonOpt = False,
 ) -> None:
     """Every queue of the topology with its messages (ready / unacked) and consumers,
     the age of each buffer's oldest message, and what needs attention.
@@ -187,15 +172,15 @@ def status(
     from rabbit_delay._ops.status.execute import read_status
 
     if watch and as_json:
-        fail("--watch redraws a table for people; --json is for scripts: give one of them")
+        opt.fail("--watch redraws a table for people; --json is for scripts: give one of them")
     if watch and check:
-        fail("--watch runs until Ctrl-C; --check is for scripts that read the exit code")
+        opt.fail("--watch runs until Ctrl-C; --check is for scripts that read the exit code")
     if interval is not None and not watch:
-        fail("--interval applies to --watch only")
-    with errors_to_exit():
+        opt.fail("--interval applies to --watch only")
+    with opt.errors_to_exit():
         every = parse_positive_ms(interval or WATCH_INTERVAL)
-        topology = resolve_topology(file, topology_file)
-        urls = url_for(url)
+        topology = opt.resolve_topology(file, topology_file)
+        urls = opt.url_for(url)
 
         def read() -> Status:
             return read_status(
@@ -205,13 +190,10 @@ def status(
         if watch:
             with suppress(KeyboardInterrupt):  # a second Ctrl-C during a read
                 _watch(read, every)
-            raise typer.Exit(EXIT_OK)
+            raise typer.Exit(opt.EXIT_OK)
         found = read()
-    if as_json:
-        print_json(found.as_json())
-    else:
-        out.print(render_status(found))
-    raise typer.Exit(EXIT_ATTENTION if check and found.attention else EXIT_OK)
+    opt.print_result(found, as_json, lambda status: opt.out.print(render_status(status)))
+    raise typer.Exit(EXIT_ATTENTION if check and found.attention else opt.EXIT_OK)
 
 
 __all__ = ["EXIT_ATTENTION", "render_status", "status"]

@@ -19,21 +19,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from rabbit_delay._cli.options import (
-    EXIT_ERROR,
-    EXIT_OK,
-    JsonOpt,
-    TopologyOpt,
-    UrlOpt,
-    count_cell,
-    err,
-    errors_to_exit,
-    exit_on_failure,
-    out,
-    print_json,
-    resolve_topology,
-    url_for,
-)
+import rabbit_delay._cli.options as opt
 from rabbit_delay._durations import format_ms, iso_ms
 from rabbit_delay._ops.transfer.rules import (
     DEFAULT_TRANSFER_BATCH,
@@ -75,7 +61,7 @@ def _progress_bar(shown: bool, label: str) -> Iterator[Callable[[int, int], None
         MofNCompleteColumn(),
         TaskProgressColumn(),
         TimeElapsedColumn(),
-        console=err,
+        console=opt.err,
         transient=True,
     ) as bar:
         task = bar.add_task(label, total=None)
@@ -110,7 +96,7 @@ def _table(report: TransferReport) -> Table:
         table.add_row(
             escape(q.source.name),
             q.source.kind.value,
-            count_cell(q.ready),
+            opt.count_cell(q.ready),
             str(q.moved),
             f"[yellow]{left}[/]" if left else "",
             escape(goes or (q.skipped or "")),
@@ -121,18 +107,18 @@ def _table(report: TransferReport) -> Table:
 
 
 def _print_report(report: TransferReport) -> None:
-    out.print(_table(report))
+    opt.out.print(_table(report))
     missing = [q.source.name for q in report.queues if q.ready is None]
     if missing:
-        out.print(escape(f"{len(missing)} source queue(s) do not exist: {', '.join(missing)}"))
+        opt.out.print(escape(f"{len(missing)} source queue(s) do not exist: {', '.join(missing)}"))
     verb = "would move" if report.dry_run else "moved"
     line = f"{verb} {report.moved} message(s) from {report.source} to {report.target}"
     if not report.dry_run:
         line += f" in {report.elapsed_s:.1f} s ({report.rate:,.0f} msg/s, {report.passes} round(s))"
-    out.print(escape(line))
+    opt.out.print(escape(line))
     if report.moved:
         if report.later:
-            out.print(
+            opt.out.print(
                 escape(
                     f"lateness added by the target's route: {report.later} of {report.moved} "
                     f"later than due, by at most {format_ms(report.added_max_ms)} "
@@ -140,43 +126,43 @@ def _print_report(report: TransferReport) -> None:
                 )
             )
         else:
-            out.print("lateness added: none (every due time kept exactly)")
+            opt.out.print("lateness added: none (every due time kept exactly)")
         if report.overdue_max_ms:
-            out.print(
+            opt.out.print(
                 escape(
                     "some were due already when read (moved to be delivered now): the most "
                     f"overdue by {format_ms(report.overdue_max_ms)}"
                 )
             )
     for line in report.left_lines():
-        err.print("[yellow]left in place:[/] ", end="")
-        err.print(redact(line), markup=False)
+        opt.err.print("[yellow]left in place:[/] ", end="")
+        opt.err.print(redact(line), markup=False)
     if report.pending_after:
         still = ", ".join(
             f"{q.source.name}: {q.pending_after}" for q in report.queues if q.pending_after
         )
         if report.limit_reached:
-            out.print(escape(f"--limit {report.limit} reached; still in the source: {still}"))
+            opt.out.print(escape(f"--limit {report.limit} reached; still in the source: {still}"))
         else:
-            err.print("[yellow]still in the source:[/] ", end="")
-            err.print(f"{report.pending_after} ({still}); run transfer again", markup=False)
+            opt.err.print("[yellow]still in the source:[/] ", end="")
+            opt.err.print(f"{report.pending_after} ({still}); run transfer again", markup=False)
     if report.people:
         held = ", ".join(f"{name}: {n}" for name, n in report.people.items())
-        err.print("[yellow]not moved (they wait for a human):[/] ", end="")
-        err.print(
+        opt.err.print("[yellow]not moved (they wait for a human):[/] ", end="")
+        opt.err.print(
             f"{held}; replay them (`rabbit-delay replay`) before retiring the source",
             markup=False,
         )
     for note in report.notes:
-        out.print(f"[cyan]note:[/] {escape(note)}")
+        opt.out.print(f"[cyan]note:[/] {escape(note)}")
     if report.dry_run:
-        out.print("dry run: nothing was changed (every message read was given back)")
+        opt.out.print("dry run: nothing was changed (every message read was given back)")
 
 
 def transfer_command(
-    file: TopologyOpt = None,
+    file: opt.TopologyOpt = None,
     to: ToOpt = None,
-    url: UrlOpt = None,
+    url: opt.UrlOpt = None,
     to_url: ToUrlOpt = None,
     dry_run: Annotated[
         bool,
@@ -203,7 +189,7 @@ def transfer_command(
             "--batch", min=1, max=65_535, help="Messages read, published and acked at a time."
         ),
     ] = DEFAULT_TRANSFER_BATCH,
-    as_json: JsonOpt = False,
+    as_json: opt.JsonOpt = False,
 ) -> None:
     """Move pending messages to another topology (--to) or broker (--to-url).
 
@@ -220,20 +206,18 @@ def transfer_command(
     Exit code 0 when everything moved; 1 on an error or when messages were left in place.
     """
     from rabbit_delay._ops.transfer.execute import transfer
-    from rabbit_delay.sync import Publisher
-    from rabbit_delay.sync._connection import close_quietly, connect_first
+    from rabbit_delay.sync import Publisher, connected
 
-    with errors_to_exit():
-        source = resolve_topology(file)
+    with opt.errors_to_exit():
+        source = opt.resolve_topology(file)
         target = load_topology(to) if to is not None else source
-        urls = url_for(url)
-        to_urls = url_for(to_url) if to_url else urls
+        urls = opt.url_for(url)
+        to_urls = opt.url_for(to_url) if to_url else urls
         rules = Transfer(source, target)
-        connection, _broker = connect_first(urls, name="rabbit-delay transfer")
-        try:
+        with connected(urls, name="rabbit-delay transfer") as connection:
             publisher = Publisher(target, list(to_urls), window=batch)
             try:
-                shown = err.is_terminal and not as_json
+                shown = opt.err.is_terminal and not as_json
                 with _progress_bar(shown, "reading" if dry_run else "moving") as progress:
                     report = transfer(
                         connection,
@@ -247,15 +231,10 @@ def transfer_command(
                     )
             finally:
                 publisher.close()
-        finally:
-            close_quietly(connection)
 
-    if as_json:
-        print_json(report.as_json())
-    else:
-        _print_report(report)
-    exit_on_failure(report.error, as_json=as_json)
-    raise typer.Exit(EXIT_OK if report.complete else EXIT_ERROR)
+    opt.print_result(report, as_json, _print_report)
+    opt.exit_on_failure(report.error, as_json=as_json)
+    raise typer.Exit(opt.EXIT_OK if report.complete else opt.EXIT_ERROR)
 
 
 __all__ = ["transfer_command"]

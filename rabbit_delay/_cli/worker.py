@@ -10,20 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from rabbit_delay._cli.options import (
-    AppDirOpt,
-    LogFormat,
-    LogLevel,
-    LogLevelOpt,
-    MetricsPortOpt,
-    TargetArg,
-    UrlOpt,
-    configure_logging,
-    errors_to_exit,
-    fail,
-    load_app,
-    url_for,
-)
+import rabbit_delay._cli.options as opt
 from rabbit_delay._connection import DEFAULT_RECONNECT_MAX_S
 from rabbit_delay._consumer.app import App, Transport
 from rabbit_delay._consumer.settings import DEFAULT_SHUTDOWN_TIMEOUT_S, WorkerOptions
@@ -93,7 +80,7 @@ HealthPortOpt = Annotated[
     ),
 ]
 LogFormatOpt = Annotated[
-    LogFormat,
+    opt.LogFormat,
     typer.Option(
         "--log-format",
         help="text lines, or json: one JSON object per line (ts, level, logger, message; "
@@ -103,7 +90,7 @@ LogFormatOpt = Annotated[
 
 
 def worker(
-    target: TargetArg,
+    target: opt.TargetArg,
     queue: QueueOpt = None,
     prefetch: PrefetchOpt = None,
     concurrency: ConcurrencyOpt = None,
@@ -111,12 +98,12 @@ def worker(
     transport: TransportOpt = TransportChoice.AUTO,
     shutdown_timeout: ShutdownOpt = f"{DEFAULT_SHUTDOWN_TIMEOUT_S:g}s",
     reconnect_max: ReconnectMaxOpt = f"{DEFAULT_RECONNECT_MAX_S:g}s",
-    app_dir: AppDirOpt = Path("."),
-    log_level: LogLevelOpt = LogLevel.INFO,
-    log_format: LogFormatOpt = LogFormat.TEXT,
-    metrics_port: MetricsPortOpt = None,
+    app_dir: opt.AppDirOpt = Path("."),
+    log_level: opt.LogLevelOpt = opt.LogLevel.INFO,
+    log_format: LogFormatOpt = opt.LogFormat.TEXT,
+    metrics_port: opt.MetricsPortOpt = None,
     health_port: HealthPortOpt = None,
-    url: UrlOpt = None,
+    url: opt.UrlOpt = None,
 ) -> None:
     """Run the consumers of MODULE:APP until SIGINT/SIGTERM.
 
@@ -124,9 +111,9 @@ def worker(
     and end up in its parking lot. Without --declare, queues are only checked with
     passive declarations (read permission is enough).
     """
-    configure_logging(log_level, log_format)
+    opt.configure_logging(log_level, log_format)
     if metrics_port is not None and health_port is not None:
-        fail("give --metrics-port (which also serves /healthz and /readyz) or --health-port")
+        opt.fail("give --metrics-port (which also serves /healthz and /readyz) or --health-port")
     durations: dict[str, float] = {}
     for option, text in (
         ("--shutdown-timeout", shutdown_timeout),
@@ -135,12 +122,12 @@ def worker(
         try:
             durations[option] = parse_ms(text) / 1000
         except DurationError as exc:
-            fail(f"{option}: {exc}", kind=type(exc).__name__)
+            opt.fail(f"{option}: {exc}", kind=type(exc).__name__)
     if durations["--reconnect-max"] <= 0:
-        fail("--reconnect-max: must be longer than zero, e.g. 30s")
-    with errors_to_exit():
-        broker = url_for(url)  # before importing the app: a bad URL is refused at once
-        the_app = load_app(target, app_dir)
+        opt.fail("--reconnect-max: must be longer than zero, e.g. 30s")
+    with opt.errors_to_exit():
+        broker = opt.url_for(url)  # before importing the app: a bad URL is refused at once
+        the_app = opt.load_app(target, app_dir)
         consumers = the_app.select(queue)
         if transport is TransportChoice.AUTO:
             uses_async = any(c.is_async for c in consumers) or any(
@@ -194,7 +181,7 @@ def _serve(the_worker: WorkerCore, metrics_port: int | None, health_port: int | 
         server, _thread = serve(port, health=the_worker.health, metrics=metrics_port is not None)
     except OSError as exc:
         option = "--metrics-port" if metrics_port is not None else "--health-port"
-        fail(f"{option} {port}: cannot listen there ({exc.strerror or exc})")
+        opt.fail(f"{option} {port}: cannot listen there ({exc.strerror or exc})")
     routes = "/metrics, /healthz, /readyz" if metrics_port is not None else "/healthz, /readyz"
     log.info("serving %s on port %d", routes, server.server_port)
 

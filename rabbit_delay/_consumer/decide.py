@@ -38,6 +38,7 @@ import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 from pydantic import ValidationError
 
@@ -380,25 +381,53 @@ def _failure_headers(
     return headers
 
 
+class _Parking(NamedTuple):
+    """Why a delivery goes to the parking lot: rd-park-reason, and the error it carries."""
+
+    reason: ParkReason
+    error_type: str
+    message: str
+    trace: str | None = None
+
+
+def _why_parked(
+    env: Envelope, policy: QueuePolicy, result: Crashed | Undecodable | BaseException
+) -> _Parking | None:
+    """Why a failed delivery is parked rather than tried again; None: it is not."""
+    if isinstance(result, Crashed):
+        return _Parking(
+            ParkReason.CRASHED,
+            "rabbit_delay.Crashed",
+            f"{result.count} deliveries of this message were lost while its handler may "
+            f"have been running (delivery_limit {policy.delivery_limit}): the handler "
+            "probably kills or hangs its worker",
+        )
+    if isinstance(result, Undecodable):
+        return _Parking(result.reason, result.error_type, result.message)
+    if isinstance(result, Reject):
+        return _Parking(ParkReason.REJECTED, error_type_of(result), result.reason)
+    if env.attempt >= policy.max_attempts:
+        return _Parking(
+            ParkReason.MAX_ATTEMPTS, error_type_of(result), str(result), format_traceback(result)
+        )
+    return None
+
+
 def _park(
     env: Envelope,
     policy: QueuePolicy,
-    reason: ParkReason,
-    *,
-    error_type: str,
-    message: str,
-    trace: str | None,
+    why: _Parking,
     body: bytes,
     content_type: str | None,
     now_ms: int,
-    crashes: int = 0,
+    crashes: int,
 ) -> Park:
-    headers = _failure_headers(env, policy, now_ms, error_type, message, crashes)
-    if trace:
-        headers[h.H_ERROR_TRACEBACK] = trace
+    headers = _failure_headers(env, policy, now_ms, why.error_type, why.message, crashes)
+    if why.trace:
+        headers[h.H_ERROR_TRACEBACK] = why.trace
     headers[h.H_ORIGINAL_QUEUE] = policy.queue
     headers[h.H_ATTEMPT] = env.attempt
-    headers[h.H_PARK_REASON] = reason.value
+    headers[h.H_PARK_REASON] = why.reason.value
     out = forward(
         policy.parking_exchange,
         policy.key,
@@ -408,7 +437,7 @@ def _park(
         headers,
         now_ms // 1000,
     )
-    return Park(out, reason, f"{error_type}: {_truncate(message, 200)}")
+    return Park(out, why.reason, f"{why.error_type}: {_truncate(why.message, 200)}")
 
 
 def _same_attempt(
@@ -504,64 +533,12 @@ def decide(
             crashes=crashes,
             deferrals=env.deferrals,
         )
-    if isinstance(result, Crashed):
-        return _park(
-            env,
-            policy,
-            ParkReason.CRASHED,
-            error_type="rabbit_delay.Crashed",
-            message=(
-                f"{result.count} deliveries of this message were lost while its handler may "
-                f"have been running (delivery_limit {policy.delivery_limit}): the handler "
-                "probably kills or hangs its worker"
-            ),
-            trace=None,
-            body=body,
-            content_type=content_type,
-            now_ms=now_ms,
-            crashes=crashes,
-        )
-    if isinstance(result, Undecodable):
-        return _park(
-            env,
-            policy,
-            result.reason,
-            error_type=result.error_type,
-            message=result.message,
-            trace=None,
-            body=body,
-            content_type=content_type,
-            now_ms=now_ms,
-            crashes=crashes,
-        )
-    if isinstance(result, Reject):
-        return _park(
-            env,
-            policy,
-            ParkReason.REJECTED,
-            error_type=error_type_of(result),
-            message=result.reason,
-            trace=None,
-            body=body,
-            content_type=content_type,
-            now_ms=now_ms,
-            crashes=crashes,
-        )
+    why = _why_parked(env, policy, result)
+    if why is not None:
+        return _park(env, policy, why, body, content_type, now_ms, crashes)
+    assert isinstance(result, BaseException)  # a Crashed or an Undecodable is parked
     error_type = error_type_of(result)
     message = str(result)
-    if env.attempt >= policy.max_attempts:
-        return _park(
-            env,
-            policy,
-            ParkReason.MAX_ATTEMPTS,
-            error_type=error_type,
-            message=message,
-            trace=format_traceback(result),
-            body=body,
-            content_type=content_type,
-            now_ms=now_ms,
-            crashes=crashes,
-        )
     note = None
     if isinstance(result, Retry):
         route, note = policy.requested_route(result, env.attempt)

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, fields
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from functools import partial
+from typing import Any, Generic, Protocol, TypeVar
 
 from rabbit_delay._envelope import now_ms as wall_clock_ms
 from rabbit_delay._errors import ConfigError
-
-if TYPE_CHECKING:
-    pass
 
 DEFAULT_PREFIX = "rabbit-delay:"
 
@@ -132,113 +130,140 @@ class AsyncIdempotencyStore(Protocol):
     async def close(self) -> None: ...
 
 
+AnyStore = IdempotencyStore | AsyncIdempotencyStore
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+_Item = TypeVar("_Item", ClaimItem, FinishItem)
+_Store = TypeVar("_Store", bound=AnyStore)
+
+
 # -- calls that tolerate a store written before renew and the batch operations ----------
-# (a user's own store): the guards and SyncStoreAsAsync go through these.
+# (a user's own store): the guards, SyncStoreAsAsync and MemoryStore go through these.
+# Written once for sync and async stores, as programs: each yields the store calls to
+# make (no arguments) and is sent back what each returned, or the exception it raised;
+# `run` makes the calls of a sync store, `run_async` awaits those of an async one.
+
+Call = Callable[[], Any]
+StoreProgram = Generator[Call, Any, _T]
 
 
-def _renew_with(
-    store: IdempotencyStore, key: str, owner: str, *, now_ms: int, lease_ms: int
-) -> bool:
+class _Running(Generic[_T]):
+    """A store program being run: the call it waits for, None once it returned `result`."""
+
+    def __init__(self, program: StoreProgram[_T]) -> None:
+        self.program = program
+        self.call: Call | None = next(program)
+        self.result: _T
+
+    def send(self, outcome: object) -> None:
+        """Give the program what its call returned (or the exception it raised)."""
+        try:
+            self.call = self.program.send(outcome)
+        except StopIteration as stop:
+            self.call, self.result = None, stop.value
+
+
+def run(program: StoreProgram[_T]) -> _T:
+    """Run `program` against a sync store."""
+    running = _Running(program)
+    while running.call is not None:
+        try:
+            outcome = running.call()
+        except Exception as exc:
+            outcome = exc
+        running.send(outcome)
+    return running.result
+
+
+async def run_async(program: StoreProgram[_T]) -> _T:
+    """Run `program` against an async store: each call's result is awaited."""
+    running = _Running(program)
+    while running.call is not None:
+        try:
+            outcome = await running.call()
+        except Exception as exc:
+            outcome = exc
+        running.send(outcome)
+    return running.result
+
+
+def _raised(outcome: object) -> object:
+    """The outcome of a call whose errors propagate: raised when it is one."""
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def renew_with(
+    store: AnyStore, key: str, owner: str, *, now_ms: int, lease_ms: int
+) -> StoreProgram[bool]:
+    """`renew`; a claim by `owner` stands in for it on a store without renew."""
     renew = getattr(store, "renew", None)
     if renew is None:
         # A re-entrant claim extends the lease too, but unlike renew it would also take
         # a key that is free again: the best such a store can do.
-        return store.claim(key, owner, now_ms=now_ms, lease_ms=lease_ms) is ClaimResult.CLAIMED
-    return bool(renew(key, owner, now_ms=now_ms, lease_ms=lease_ms))
+        claim = partial(store.claim, key, owner, now_ms=now_ms, lease_ms=lease_ms)
+        return _raised((yield claim)) is ClaimResult.CLAIMED
+    return bool(_raised((yield partial(renew, key, owner, now_ms=now_ms, lease_ms=lease_ms))))
 
 
-def _claim_many_with(
-    store: IdempotencyStore, items: Sequence[ClaimItem], *, now_ms: int, lease_ms: int
-) -> list[ClaimResult | Exception]:
-    batch = getattr(store, "claim_many", None)
-    if batch is not None:
-        try:
-            return list(batch(items, now_ms=now_ms, lease_ms=lease_ms))
-        except Exception as exc:
-            return [exc] * len(items)
+def claim_each(
+    store: AnyStore, items: Sequence[ClaimItem], *, now_ms: int, lease_ms: int
+) -> StoreProgram[list[ClaimResult | Exception]]:
+    """`claim` each (key, owner) by itself; an error goes to its own slot."""
     results: list[ClaimResult | Exception] = []
     for key, owner in items:
-        try:
-            results.append(store.claim(key, owner, now_ms=now_ms, lease_ms=lease_ms))
-        except Exception as exc:
-            results.append(exc)
+        claimed = yield partial(store.claim, key, owner, now_ms=now_ms, lease_ms=lease_ms)
+        results.append(claimed)
     return results
 
 
-def _finish_many_with(
-    store: IdempotencyStore, items: Sequence[FinishItem], *, now_ms: int, retention_ms: int
-) -> list[Exception | None]:
-    batch = getattr(store, "finish_many", None)
-    if batch is not None:
-        try:
-            return list(batch(items, now_ms=now_ms, retention_ms=retention_ms))
-        except Exception as exc:
-            return [exc] * len(items)
+def finish_each(
+    store: AnyStore, items: Sequence[FinishItem], *, now_ms: int, retention_ms: int
+) -> StoreProgram[list[Exception | None]]:
+    """For each (key, owner, succeeded) by itself: `complete` when succeeded, else
+    `release`; None in its slot, or the error."""
     results: list[Exception | None] = []
     for key, owner, succeeded in items:
-        try:
-            if succeeded:
-                store.complete(key, owner, now_ms=now_ms, retention_ms=retention_ms)
-            else:
-                store.release(key, owner)
-            results.append(None)
-        except Exception as exc:
-            results.append(exc)
+        if succeeded:
+            call = partial(store.complete, key, owner, now_ms=now_ms, retention_ms=retention_ms)
+        else:
+            call = partial(store.release, key, owner)
+        outcome = yield call
+        results.append(outcome if isinstance(outcome, Exception) else None)
     return results
 
 
-async def _async_renew_with(
-    store: AsyncIdempotencyStore, key: str, owner: str, *, now_ms: int, lease_ms: int
-) -> bool:
-    renew: Callable[..., Awaitable[bool]] | None = getattr(store, "renew", None)
-    if renew is None:
-        claimed = await store.claim(key, owner, now_ms=now_ms, lease_ms=lease_ms)
-        return claimed is ClaimResult.CLAIMED
-    return bool(await renew(key, owner, now_ms=now_ms, lease_ms=lease_ms))
+def _batch_or_each(
+    store: AnyStore,
+    operation: str,
+    items: Sequence[_Item],
+    each: Callable[..., StoreProgram[list[_R | Exception]]],
+    **times: int,
+) -> StoreProgram[list[_R | Exception]]:
+    """The store's batch `operation` over `items` (a failure of the whole batch goes to
+    every slot), or `each` item by itself on a store without it."""
+    batch = getattr(store, operation, None)
+    if batch is None:
+        return (yield from each(store, items, **times))
+    replies = yield partial(batch, items, **times)
+    return [replies] * len(items) if isinstance(replies, Exception) else list(replies)
 
 
-async def _async_claim_many_with(
-    store: AsyncIdempotencyStore, items: Sequence[ClaimItem], *, now_ms: int, lease_ms: int
-) -> list[ClaimResult | Exception]:
-    batch: Callable[..., Awaitable[list[ClaimResult | Exception]]] | None = getattr(
-        store, "claim_many", None
+def claim_many_with(
+    store: AnyStore, items: Sequence[ClaimItem], *, now_ms: int, lease_ms: int
+) -> StoreProgram[list[ClaimResult | Exception]]:
+    """`claim_many`, or `claim_each` on a store without it."""
+    return _batch_or_each(store, "claim_many", items, claim_each, now_ms=now_ms, lease_ms=lease_ms)
+
+
+def finish_many_with(
+    store: AnyStore, items: Sequence[FinishItem], *, now_ms: int, retention_ms: int
+) -> StoreProgram[list[Exception | None]]:
+    """`finish_many`, or `finish_each` on a store without it."""
+    return _batch_or_each(
+        store, "finish_many", items, finish_each, now_ms=now_ms, retention_ms=retention_ms
     )
-    if batch is not None:
-        try:
-            return list(await batch(items, now_ms=now_ms, lease_ms=lease_ms))
-        except Exception as exc:
-            return [exc] * len(items)
-    results: list[ClaimResult | Exception] = []
-    for key, owner in items:
-        try:
-            results.append(await store.claim(key, owner, now_ms=now_ms, lease_ms=lease_ms))
-        except Exception as exc:
-            results.append(exc)
-    return results
-
-
-async def _async_finish_many_with(
-    store: AsyncIdempotencyStore, items: Sequence[FinishItem], *, now_ms: int, retention_ms: int
-) -> list[Exception | None]:
-    batch: Callable[..., Awaitable[list[Exception | None]]] | None = getattr(
-        store, "finish_many", None
-    )
-    if batch is not None:
-        try:
-            return list(await batch(items, now_ms=now_ms, retention_ms=retention_ms))
-        except Exception as exc:
-            return [exc] * len(items)
-    results: list[Exception | None] = []
-    for key, owner, succeeded in items:
-        try:
-            if succeeded:
-                await store.complete(key, owner, now_ms=now_ms, retention_ms=retention_ms)
-            else:
-                await store.release(key, owner)
-            results.append(None)
-        except Exception as exc:
-            results.append(exc)
-    return results
 
 
 class SyncStoreAsAsync:
@@ -268,17 +293,17 @@ class SyncStoreAsAsync:
         self.store.release(key, owner)
 
     async def renew(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> bool:
-        return _renew_with(self.store, key, owner, now_ms=now_ms, lease_ms=lease_ms)
+        return run(renew_with(self.store, key, owner, now_ms=now_ms, lease_ms=lease_ms))
 
     async def claim_many(
         self, items: Sequence[ClaimItem], *, now_ms: int, lease_ms: int
     ) -> list[ClaimResult | Exception]:
-        return _claim_many_with(self.store, items, now_ms=now_ms, lease_ms=lease_ms)
+        return run(claim_many_with(self.store, items, now_ms=now_ms, lease_ms=lease_ms))
 
     async def finish_many(
         self, items: Sequence[FinishItem], *, now_ms: int, retention_ms: int
     ) -> list[Exception | None]:
-        return _finish_many_with(self.store, items, now_ms=now_ms, retention_ms=retention_ms)
+        return run(finish_many_with(self.store, items, now_ms=now_ms, retention_ms=retention_ms))
 
     async def cancel(self, key: str, *, now_ms: int, retention_ms: int) -> None:
         self.store.cancel(key, now_ms=now_ms, retention_ms=retention_ms)
@@ -320,8 +345,6 @@ def _check_durations(lease_ms: int, retention_ms: int) -> None:
 
 _EMPTY_KEY = "an idempotency key must be a non-empty string (is message_id missing?)"
 
-_Item = TypeVar("_Item", ClaimItem, FinishItem)
-
 
 def _check_key(key: str) -> None:
     if not key:
@@ -349,9 +372,12 @@ class _Slots(Generic[_Item]):
         return self.results
 
 
-class _GuardBase:
-    def __init__(self, *, lease_ms: int, retention_ms: int, clock: Clock) -> None:
+class _GuardBase(Generic[_Store]):
+    def __init__(
+        self, store: _Store, *, lease_ms: int, retention_ms: int, clock: Clock = wall_clock_ms
+    ) -> None:
         _check_durations(lease_ms, retention_ms)
+        self.store = store
         self.lease_ms = lease_ms
         self.retention_ms = retention_ms
         self.clock = clock
@@ -379,7 +405,7 @@ class _GuardBase:
                     setattr(self.stats, name, getattr(self.stats, name) + 1)
 
 
-class Guard(_GuardBase):
+class Guard(_GuardBase[IdempotencyStore]):
     """A store bound to a lease, a retention and a clock; counts claim outcomes.
 
     `owner` must identify one handling attempt (a fresh token per delivery, not per
@@ -388,17 +414,6 @@ class Guard(_GuardBase):
 
     Raises ConfigError for a lease or retention that is not positive.
     """
-
-    def __init__(
-        self,
-        store: IdempotencyStore,
-        *,
-        lease_ms: int,
-        retention_ms: int,
-        clock: Clock = wall_clock_ms,
-    ) -> None:
-        super().__init__(lease_ms=lease_ms, retention_ms=retention_ms, clock=clock)
-        self.store = store
 
     def claim(self, key: str, owner: str) -> ClaimResult:
         """Claim `key` for `owner` before the handler runs.
@@ -420,7 +435,7 @@ class Guard(_GuardBase):
         propagate.
         """
         _check_key(key)
-        return _renew_with(self.store, key, owner, now_ms=self.clock(), lease_ms=self.lease_ms)
+        return run(renew_with(self.store, key, owner, now_ms=self.clock(), lease_ms=self.lease_ms))
 
     def claim_many(self, items: Sequence[ClaimItem]) -> list[ClaimResult | Exception]:
         """`claim` each (key, owner) of a prefetched batch in one store transaction or
@@ -430,8 +445,8 @@ class Guard(_GuardBase):
         error goes to the slots it concerns (every slot when the whole batch failed).
         """
         slots = _Slots(items)
-        results = _claim_many_with(
-            self.store, slots.valid, now_ms=self.clock(), lease_ms=self.lease_ms
+        results = run(
+            claim_many_with(self.store, slots.valid, now_ms=self.clock(), lease_ms=self.lease_ms)
         )
         self._count_all(results)
         return slots.fill(results)
@@ -442,8 +457,10 @@ class Guard(_GuardBase):
         exception (an empty key: ValueError), like `claim_many`. Never raises.
         """
         slots = _Slots(items)
-        results = _finish_many_with(
-            self.store, slots.valid, now_ms=self.clock(), retention_ms=self.retention_ms
+        results = run(
+            finish_many_with(
+                self.store, slots.valid, now_ms=self.clock(), retention_ms=self.retention_ms
+            )
         )
         return slots.fill(results)
 
@@ -495,19 +512,8 @@ class Guard(_GuardBase):
         return self.store.purge(now_ms=self.clock())
 
 
-class AsyncGuard(_GuardBase):
+class AsyncGuard(_GuardBase[AsyncIdempotencyStore]):
     """`Guard` over an `AsyncIdempotencyStore`. Raises ConfigError like `Guard`."""
-
-    def __init__(
-        self,
-        store: AsyncIdempotencyStore,
-        *,
-        lease_ms: int,
-        retention_ms: int,
-        clock: Clock = wall_clock_ms,
-    ) -> None:
-        super().__init__(lease_ms=lease_ms, retention_ms=retention_ms, clock=clock)
-        self.store = store
 
     async def claim(self, key: str, owner: str) -> ClaimResult:
         """See `Guard.claim`. Raises ValueError for an empty key."""
@@ -519,15 +525,15 @@ class AsyncGuard(_GuardBase):
     async def renew(self, key: str, owner: str) -> bool:
         """See `Guard.renew`. Raises ValueError for an empty key."""
         _check_key(key)
-        return await _async_renew_with(
-            self.store, key, owner, now_ms=self.clock(), lease_ms=self.lease_ms
+        return await run_async(
+            renew_with(self.store, key, owner, now_ms=self.clock(), lease_ms=self.lease_ms)
         )
 
     async def claim_many(self, items: Sequence[ClaimItem]) -> list[ClaimResult | Exception]:
         """See `Guard.claim_many`. Never raises."""
         slots = _Slots(items)
-        results = await _async_claim_many_with(
-            self.store, slots.valid, now_ms=self.clock(), lease_ms=self.lease_ms
+        results = await run_async(
+            claim_many_with(self.store, slots.valid, now_ms=self.clock(), lease_ms=self.lease_ms)
         )
         self._count_all(results)
         return slots.fill(results)
@@ -535,8 +541,10 @@ class AsyncGuard(_GuardBase):
     async def finish_many(self, items: Sequence[FinishItem]) -> list[Exception | None]:
         """See `Guard.finish_many`. Never raises."""
         slots = _Slots(items)
-        results = await _async_finish_many_with(
-            self.store, slots.valid, now_ms=self.clock(), retention_ms=self.retention_ms
+        results = await run_async(
+            finish_many_with(
+                self.store, slots.valid, now_ms=self.clock(), retention_ms=self.retention_ms
+            )
         )
         return slots.fill(results)
 

@@ -124,92 +124,82 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        self.published_total = Counter(
-            "published",
-            "Delayed messages published and confirmed by the broker.",
-            ["queue", "tier"],
-            namespace=NAMESPACE,
-            registry=r,
+        self.published_total = self._counter(
+            "published", "Delayed messages published and confirmed by the broker.", "queue", "tier"
         )
-        self.publish_errors_total = Counter(
-            "publish_errors",
-            "Publishes that were not confirmed, by reason.",
-            ["queue", "reason"],
-            namespace=NAMESPACE,
-            registry=r,
+        self.publish_errors_total = self._counter(
+            "publish_errors", "Publishes that were not confirmed, by reason.", "queue", "reason"
         )
-        self.handled_total = Counter(
-            "handled",
-            "Deliveries handled by a worker, by outcome.",
-            ["queue", "outcome"],
-            namespace=NAMESPACE,
-            registry=r,
+        self.handled_total = self._counter(
+            "handled", "Deliveries handled by a worker, by outcome.", "queue", "outcome"
         )
-        self.handler_seconds = Histogram(
-            "handler_seconds",
-            "Time spent in the handler, seconds.",
-            ["queue"],
-            namespace=NAMESPACE,
-            registry=r,
-            buckets=HANDLER_BUCKETS,
+        self.handler_seconds = self._histogram(
+            "handler_seconds", "Time spent in the handler, seconds.", HANDLER_BUCKETS, "queue"
         )
-        self.delivery_lateness_seconds = Histogram(
+        self.delivery_lateness_seconds = self._histogram(
             "delivery_lateness_seconds",
             "Time from a message's due time (rd-due-at) to its delivery to a worker, seconds, "
             "by queue and the tier (or cascade / plugin / now) it came through.",
-            ["queue", "tier"],
-            namespace=NAMESPACE,
-            registry=r,
-            buckets=LATENESS_BUCKETS,
+            LATENESS_BUCKETS,
+            "queue",
+            "tier",
         )
-        self.schedule_deviation_seconds = Histogram(
+        self.schedule_deviation_seconds = self._histogram(
             "schedule_deviation_seconds",
             "How much later a message was scheduled than asked: rd-due-at minus the due time "
             "asked for (rd-asked-due-at), seconds; the cascade's rounding up.",
-            ["queue", "tier"],
-            namespace=NAMESPACE,
-            registry=r,
-            buckets=DEVIATION_BUCKETS,
+            DEVIATION_BUCKETS,
+            "queue",
+            "tier",
         )
-        self.reconcile_runs_total = Counter(
+        self.reconcile_runs_total = self._counter(
             "reconcile_runs",
             "Reconciler runs by result: ok, or failed (the function raised, or a "
             "re-submission was not confirmed).",
-            ["name", "result"],
-            namespace=NAMESPACE,
-            registry=r,
+            "name",
+            "result",
         )
-        self.reconcile_resubmitted_total = Counter(
+        self.reconcile_resubmitted_total = self._counter(
             "reconcile_resubmitted",
             "Messages re-submitted (and confirmed) by reconcilers: what should have fired "
             "and had not.",
-            ["name"],
-            namespace=NAMESPACE,
-            registry=r,
+            "name",
         )
 
-        self.outbox_relayed_total = Counter(
+        self.outbox_relayed_total = self._counter(
             "outbox_relayed",
             "Outbox rows published, confirmed and marked sent by a relay.",
-            ["queue", "tier"],
-            namespace=NAMESPACE,
-            registry=r,
+            "queue",
+            "tier",
         )
-        self.outbox_relay_lag_seconds = Histogram(
+        self.outbox_relay_lag_seconds = self._histogram(
             "outbox_relay_lag_seconds",
             "Time from an outbox row's creation (application clock) to its confirm, seconds.",
-            ["queue"],
-            namespace=NAMESPACE,
-            registry=r,
-            buckets=RELAY_LAG_BUCKETS,
+            RELAY_LAG_BUCKETS,
+            "queue",
         )
-        self.outbox_refused_total = Counter(
+        self.outbox_refused_total = self._counter(
             "outbox_refused",
             "Outbox rows a relay could not publish (kept, tried again later), by reason.",
-            ["queue", "reason"],
+            "queue",
+            "reason",
+        )
+
+    def _counter(self, name: str, documentation: str, *labels: str) -> Counter:
+        """A counter `rabbit_delay_<name>_total{labels}` in this instance's registry."""
+        return Counter(name, documentation, labels, namespace=NAMESPACE, registry=self.registry)
+
+    def _histogram(
+        self, name: str, documentation: str, buckets: Sequence[float], *labels: str
+    ) -> Histogram:
+        """A histogram `rabbit_delay_<name>{labels}` in this instance's registry."""
+        return Histogram(
+            name,
+            documentation,
+            labels,
             namespace=NAMESPACE,
-            registry=r,
+            registry=self.registry,
+            buckets=buckets,
         )
 
     # -- publishers ------------------------------------------------------------------------

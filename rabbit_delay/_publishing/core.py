@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypedDict, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypedDict, TypeVar, Unpack
 
 import rabbit_delay._headers as h
 from rabbit_delay._connection import DEFAULT_BLOCKED_TIMEOUT_S, ConnectionSettings
@@ -48,8 +48,10 @@ __all__ = [
     "DEFAULT_WINDOW",
     "WORKER_BLOCKED_TIMEOUT_S",
     "DelayLike",
+    "MessageOptions",
     "PublisherCore",
     "PublisherOptions",
+    "RouteOptions",
     "URLs",
     "confirm_failure",
 ]
@@ -95,6 +97,25 @@ class PublisherOptions(TypedDict, total=False):
     metrics: Metrics | None
     recovery_timeout: DurationLike
     blocked_timeout: DurationLike | None
+
+
+class RouteOptions(TypedDict, total=False):
+    """Where and when a message goes, besides its tier: the keyword arguments of every
+    publish call (`publish_delayed`, `publish_many`, `prepare`, `Outbox.add`), read by
+    `PublisherCore.route`; see docs/publishing.md."""
+
+    queue: str | None
+    routing_key: str | None
+    delay: DelayLike | None
+    at: datetime | None
+
+
+class MessageOptions(RouteOptions, total=False):
+    """The keyword arguments of a call that publishes one message: its route, and what
+    it carries besides its body."""
+
+    message_id: str | None
+    headers: Mapping[str, object] | None
 
 
 class PublisherCore(Generic[OneT, ManyT]):
@@ -251,16 +272,7 @@ class PublisherCore(Generic[OneT, ManyT]):
         raise NotImplementedError
 
     def publish_delayed(
-        self,
-        msg: Body,
-        tier: str | None = None,
-        *,
-        queue: str | None = None,
-        routing_key: str | None = None,
-        delay: DelayLike | None = None,
-        at: datetime | None = None,
-        message_id: str | None = None,
-        headers: Mapping[str, object] | None = None,
+        self, msg: Body, tier: str | None = None, **options: Unpack[MessageOptions]
     ) -> OneT:
         """Publish one message due after `tier` (or `delay`, or at `at`); its message_id
         once the broker confirmed it.
@@ -268,51 +280,24 @@ class PublisherCore(Generic[OneT, ManyT]):
         Raises DelayError / UnknownTargetError / EncodeError when called, before anything
         is sent; otherwise what publish_outgoing raises.
         """
-        out = self.prepare(
-            msg,
-            tier,
-            queue=queue,
-            routing_key=routing_key,
-            delay=delay,
-            at=at,
-            message_id=message_id,
-            headers=headers,
-        )
-        return self._publish_one(out)
+        return self._publish_one(self.prepare(msg, tier, **options))
 
     def publish_many(
-        self,
-        messages: Iterable[Body],
-        tier: str | None = None,
-        *,
-        queue: str | None = None,
-        routing_key: str | None = None,
-        delay: DelayLike | None = None,
-        at: datetime | None = None,
+        self, messages: Iterable[Body], tier: str | None = None, **where: Unpack[RouteOptions]
     ) -> ManyT:
         """Publish many messages to one target and delay, confirms pipelined; the ids in
         order. Every message is validated and encoded when called, before the first is
         sent; otherwise what publish_outgoing raises."""
-        prepared = self.prepare_many(
-            messages, tier, queue=queue, routing_key=routing_key, delay=delay, at=at
-        )
-        return self.publish_outgoing(prepared)
+        return self.publish_outgoing(self.prepare_many(messages, tier, **where))
 
     # -- validating and encoding -----------------------------------------------------------
 
     def prepare_many(
-        self,
-        messages: Iterable[Body],
-        tier: str | None = None,
-        *,
-        queue: str | None = None,
-        routing_key: str | None = None,
-        delay: DelayLike | None = None,
-        at: datetime | None = None,
+        self, messages: Iterable[Body], tier: str | None = None, **where: Unpack[RouteOptions]
     ) -> list[Outgoing]:
         """Validate and encode every message (one target and delay) before any is sent."""
         now = self.now()
-        route = self.route(tier, queue=queue, routing_key=routing_key, delay=delay, at=at, now=now)
+        route = self.route(tier, now=now, **where)
         return [outgoing(route, *encode_body(m), now) for m in messages]
 
     def route(
@@ -353,16 +338,13 @@ class PublisherCore(Generic[OneT, ManyT]):
         msg: Body,
         tier: str | None = None,
         *,
-        queue: str | None = None,
-        routing_key: str | None = None,
-        delay: DelayLike | None = None,
-        at: datetime | None = None,
         message_id: str | None = None,
         headers: Mapping[str, object] | None = None,
         attempt: int = 1,
+        **where: Unpack[RouteOptions],
     ) -> Outgoing:
         """Validate and encode one message. Raises a PublishError subclass on bad input."""
         now = self.now()
-        route = self.route(tier, queue=queue, routing_key=routing_key, delay=delay, at=at, now=now)
+        route = self.route(tier, now=now, **where)
         body, content_type = encode_body(msg)
         return outgoing(route, body, content_type, now, message_id, headers, attempt)

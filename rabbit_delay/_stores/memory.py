@@ -5,7 +5,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from rabbit_delay._idempotency.guard import DEFAULT_PREFIX, ClaimItem, ClaimResult, FinishItem
+from rabbit_delay._idempotency.guard import (
+    DEFAULT_PREFIX,
+    ClaimItem,
+    ClaimResult,
+    FinishItem,
+    claim_each,
+    finish_each,
+    run,
+)
 
 _CLAIMED = "claimed"
 _DONE = "done"
@@ -66,28 +74,13 @@ class MemoryStore:
     def claim_many(
         self, items: Sequence[ClaimItem], *, now_ms: int, lease_ms: int
     ) -> list[ClaimResult | Exception]:
-        results: list[ClaimResult | Exception] = []
-        for key, owner in items:
-            try:
-                results.append(self.claim(key, owner, now_ms=now_ms, lease_ms=lease_ms))
-            except Exception as exc:  # a key that is not a str: its slot only
-                results.append(exc)
-        return results
+        # one item after the other: a key that is not a str fails its slot only
+        return run(claim_each(self, items, now_ms=now_ms, lease_ms=lease_ms))
 
     def finish_many(
         self, items: Sequence[FinishItem], *, now_ms: int, retention_ms: int
     ) -> list[Exception | None]:
-        results: list[Exception | None] = []
-        for key, owner, succeeded in items:
-            try:
-                if succeeded:
-                    self.complete(key, owner, now_ms=now_ms, retention_ms=retention_ms)
-                else:
-                    self.release(key, owner)
-                results.append(None)
-            except Exception as exc:
-                results.append(exc)
-        return results
+        return run(finish_each(self, items, now_ms=now_ms, retention_ms=retention_ms))
 
     def cancel(self, key: str, *, now_ms: int, retention_ms: int) -> None:
         k = self.prefix + key

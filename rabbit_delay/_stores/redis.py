@@ -40,17 +40,28 @@ local function record(kind, ms, owner)
 end
 """
 
+# Every script on one key reads its record here: found (false: no key), and when the
+# value is a record, its kind, expiry (ms) and owner.
+_READ = """
+local function read()
+  local v = redis.call('GET', KEYS[1])
+  if not v then return false end
+  local kind, exp, owner = string.match(v, '^(%a)|(%-?%d+)|(.*)$')
+  return true, kind, tonumber(exp), owner
+end
+"""
+
 # KEYS[1]; ARGV: owner, lease ms, key TTL ms. Returns an index into _RESULTS.
 _CLAIM = (
     _NOW
+    + _READ
     + """
-local v = redis.call('GET', KEYS[1])
-if v then
-  local kind, exp, holder = string.match(v, '^(%a)|(%-?%d+)|(.*)$')
+local found, kind, exp, holder = read()
+if found then
   if not kind then
     return redis.error_reply('rabbit-delay: not an idempotency record: ' .. KEYS[1])
   end
-  if tonumber(exp) > now then
+  if exp > now then
     if kind == 'd' then return 1 end
     if kind == 'x' then return 3 end
     if holder ~= ARGV[1] then return 2 end
@@ -71,10 +82,9 @@ _RESULTS = (
 # not; never creates a record. Returns 1 when renewed.
 _RENEW = (
     _NOW
+    + _READ
     + """
-local v = redis.call('GET', KEYS[1])
-if not v then return 0 end
-local kind, holder = string.match(v, '^(%a)|%-?%d+|(.*)$')
+local _, kind, _, holder = read()
 if kind ~= 'c' or holder ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], record('c', ARGV[2], ARGV[1]), 'PX', ARGV[3])
 return 1
@@ -84,36 +94,32 @@ return 1
 # KEYS[1]; ARGV: owner, retention ms. A live done-record or tombstone stays.
 _COMPLETE = (
     _NOW
+    + _READ
     + """
-local v = redis.call('GET', KEYS[1])
-if v then
-  local kind, exp = string.match(v, '^(%a)|(%-?%d+)|')
-  if kind and kind ~= 'c' and tonumber(exp) > now then return 0 end
-end
+local _, kind, exp = read()
+if kind and kind ~= 'c' and exp > now then return 0 end
 redis.call('SET', KEYS[1], record('d', ARGV[2], ARGV[1]), 'PX', ARGV[2])
 return 1
 """
 )
 
 # KEYS[1]; ARGV: owner. Only the claim's holder may drop it. No clock needed.
-_RELEASE = """
-local v = redis.call('GET', KEYS[1])
-if v then
-  local kind, holder = string.match(v, '^(%a)|%-?%d+|(.*)$')
-  if kind == 'c' and holder == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-end
+_RELEASE = (
+    _READ
+    + """
+local _, kind, _, holder = read()
+if kind == 'c' and holder == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+)
 
 # KEYS[1]; ARGV: retention ms. Never shortens a tombstone.
 _CANCEL = (
     _NOW
+    + _READ
     + """
-local v = redis.call('GET', KEYS[1])
-if v then
-  local kind, exp = string.match(v, '^(%a)|(%-?%d+)|')
-  if kind == 'x' and tonumber(exp) >= now + tonumber(ARGV[1]) then return 0 end
-end
+local _, kind, exp = read()
+if kind == 'x' and exp >= now + tonumber(ARGV[1]) then return 0 end
 redis.call('SET', KEYS[1], record('x', ARGV[1], ''), 'PX', ARGV[1])
 return 1
 """
@@ -181,6 +187,24 @@ class _RedisBase:
         # are loaded once before the first batch, and again after a NOSCRIPT.
         self._scripts_loaded = False
 
+    def _register_scripts(self, client: Any) -> None:
+        """The Lua scripts, registered on `client` (redis-py's sync and asyncio clients
+        register them alike; their calls return a reply or an awaitable of one)."""
+        self._claim = client.register_script(_CLAIM)
+        self._renew = client.register_script(_RENEW)
+        self._complete = client.register_script(_COMPLETE)
+        self._release = client.register_script(_RELEASE)
+        self._cancel = client.register_script(_CANCEL)
+        self._purge = client.register_script(_PURGE)
+        # what a batch may run, loaded before the first one (purge runs on its own)
+        self._scripts: tuple[Any, ...] = (
+            self._claim,
+            self._renew,
+            self._complete,
+            self._release,
+            self._cancel,
+        )
+
     @staticmethod
     def _claim_args(owner: str, lease_ms: int) -> list[str | int]:
         return [owner, lease_ms, _ttl(lease_ms * _CLAIM_TTL_FACTOR)]
@@ -189,18 +213,17 @@ class _RedisBase:
     def _complete_args(owner: str, retention_ms: int) -> list[str | int]:
         return [owner, _ttl(retention_ms)]
 
-    def _claim_calls(self, items: Sequence[ClaimItem], lease_ms: int, script: Any) -> list[_Call]:
+    def _claim_calls(self, items: Sequence[ClaimItem], lease_ms: int) -> list[_Call]:
         return [
-            (script, [self.prefix + key], self._claim_args(owner, lease_ms)) for key, owner in items
+            (self._claim, [self.prefix + key], self._claim_args(owner, lease_ms))
+            for key, owner in items
         ]
 
-    def _finish_calls(
-        self, items: Sequence[FinishItem], retention_ms: int, complete: Any, release: Any
-    ) -> list[_Call]:
+    def _finish_calls(self, items: Sequence[FinishItem], retention_ms: int) -> list[_Call]:
         return [
-            (complete, [self.prefix + key], self._complete_args(owner, retention_ms))
+            (self._complete, [self.prefix + key], self._complete_args(owner, retention_ms))
             if succeeded
-            else (release, [self.prefix + key], [owner])
+            else (self._release, [self.prefix + key], [owner])
             for key, owner, succeeded in items
         ]
 
@@ -239,19 +262,7 @@ class RedisStore(_RedisBase):
         super().__init__(prefix, lib)
         self._owns_client = client is None
         self.client: redis.Redis[bytes] = lib.Redis.from_url(url) if client is None else client
-        self._claim = self.client.register_script(_CLAIM)
-        self._renew = self.client.register_script(_RENEW)
-        self._complete = self.client.register_script(_COMPLETE)
-        self._release = self.client.register_script(_RELEASE)
-        self._cancel = self.client.register_script(_CANCEL)
-        self._purge = self.client.register_script(_PURGE)
-        self._scripts: tuple[Any, ...] = (
-            self._claim,
-            self._renew,
-            self._complete,
-            self._release,
-            self._cancel,
-        )
+        self._register_scripts(self.client)
 
     def claim(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> ClaimResult:
         """See `IdempotencyStore.claim` (`now_ms` ignored). Raises `redis.RedisError`."""
@@ -281,7 +292,7 @@ class RedisStore(_RedisBase):
     ) -> list[ClaimResult | Exception]:
         """See `IdempotencyStore.claim_many`: one pipeline, one round trip (`now_ms`
         ignored)."""
-        replies = self._pipeline(self._claim_calls(items, lease_ms, self._claim))
+        replies = self._pipeline(self._claim_calls(items, lease_ms))
         return [_claim_result(reply) for reply in replies]
 
     def finish_many(
@@ -289,7 +300,7 @@ class RedisStore(_RedisBase):
     ) -> list[Exception | None]:
         """See `IdempotencyStore.finish_many`: one pipeline, one round trip (`now_ms`
         ignored)."""
-        calls = self._finish_calls(items, retention_ms, self._complete, self._release)
+        calls = self._finish_calls(items, retention_ms)
         return [_finish_result(reply) for reply in self._pipeline(calls)]
 
     def purge(self, *, now_ms: int) -> int:
@@ -364,19 +375,7 @@ class AsyncRedisStore(_RedisBase):
         self.client: redis.asyncio.Redis[bytes] = (
             lib.asyncio.Redis.from_url(url) if client is None else client
         )
-        self._claim = self.client.register_script(_CLAIM)
-        self._renew = self.client.register_script(_RENEW)
-        self._complete = self.client.register_script(_COMPLETE)
-        self._release = self.client.register_script(_RELEASE)
-        self._cancel = self.client.register_script(_CANCEL)
-        self._purge = self.client.register_script(_PURGE)
-        self._scripts: tuple[Any, ...] = (
-            self._claim,
-            self._renew,
-            self._complete,
-            self._release,
-            self._cancel,
-        )
+        self._register_scripts(self.client)
 
     async def claim(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> ClaimResult:
         """See `IdempotencyStore.claim` (`now_ms` ignored). Raises `redis.RedisError`."""
@@ -405,14 +404,14 @@ class AsyncRedisStore(_RedisBase):
         self, items: Sequence[ClaimItem], *, now_ms: int, lease_ms: int
     ) -> list[ClaimResult | Exception]:
         """See `RedisStore.claim_many`."""
-        replies = await self._pipeline(self._claim_calls(items, lease_ms, self._claim))
+        replies = await self._pipeline(self._claim_calls(items, lease_ms))
         return [_claim_result(reply) for reply in replies]
 
     async def finish_many(
         self, items: Sequence[FinishItem], *, now_ms: int, retention_ms: int
     ) -> list[Exception | None]:
         """See `RedisStore.finish_many`."""
-        calls = self._finish_calls(items, retention_ms, self._complete, self._release)
+        calls = self._finish_calls(items, retention_ms)
         return [_finish_result(reply) for reply in await self._pipeline(calls)]
 
     async def purge(self, *, now_ms: int) -> int:

@@ -274,24 +274,23 @@ class SQLiteStore:
                 self.finish_many(finishes, now_ms=now_ms, retention_ms=retention_ms),
                 self.claim_many(claims, now_ms=now_ms, lease_ms=lease_ms),
             )
+
+        def both() -> tuple[list[Exception | None], list[ClaimResult | Exception]]:
+            finished = list(self._finish_rows(finishes, now_ms, retention_ms))
+            claimed: list[ClaimResult | Exception] = list(
+                self._claim_rows(claims, now_ms, lease_ms)
+            )
+            return finished, claimed
+
         with self._lock:
             self._set_wait(True)
             try:
                 self._conn.execute("BEGIN IMMEDIATE")
-                try:
-                    finished: list[Exception | None] = list(
-                        self._finish_rows(finishes, now_ms, retention_ms)
-                    )
-                    claimed: list[ClaimResult | Exception] = list(
-                        self._claim_rows(claims, now_ms, lease_ms)
-                    )
-                    self._conn.execute("COMMIT")
-                    return finished, claimed
-                finally:
-                    if self._conn.in_transaction:
-                        self._conn.execute("ROLLBACK")
-            except sqlite3.Error:
-                pass
+                done = self._commit(both)
+            except sqlite3.Error:  # the write lock stayed busy, or the rollback failed
+                done = None
+            if done is not None:
+                return done
         return (
             self.finish_many(finishes, now_ms=now_ms, retention_ms=retention_ms),
             self.claim_many(claims, now_ms=now_ms, lease_ms=lease_ms),
@@ -330,16 +329,8 @@ class SQLiteStore:
                 self._conn.execute("BEGIN IMMEDIATE")
             except sqlite3.Error as exc:
                 return [exc] * n
-            try:
-                results = whole()
-                self._conn.execute("COMMIT")
-                return results
-            except sqlite3.Error:
-                pass
-            finally:
-                if self._conn.in_transaction:
-                    self._conn.execute("ROLLBACK")
-            return self._run_each(each())
+            results = self._commit(whole)
+            return results if results is not None else self._run_each(each())
 
     def cancel(self, key: str, *, now_ms: int, retention_ms: int) -> None:
         """See `IdempotencyStore.cancel`. Raises `sqlite3.Error`."""
@@ -434,16 +425,22 @@ class SQLiteStore:
                         raise
                     return [exc]
             self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                results = [op() for op in ops]
-                self._conn.execute("COMMIT")
-                return results
-            except sqlite3.Error:
-                pass
-            finally:
-                if self._conn.in_transaction:
-                    self._conn.execute("ROLLBACK")
-            return self._run_each(ops)
+            results = self._commit(lambda: [op() for op in ops])
+            return results if results is not None else self._run_each(ops)
+
+    def _commit(self, work: Callable[[], T]) -> T | None:
+        """`work()` in the transaction just begun, then COMMIT: its result; None when a
+        statement failed, once rolled back (nothing written). The caller holds
+        self._lock."""
+        try:
+            done = work()
+            self._conn.execute("COMMIT")
+            return done
+        except sqlite3.Error:
+            return None
+        finally:
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
 
     def _run_each(self, ops: Sequence[Callable[[], Any]]) -> list[Any]:
         # Each op in its own (autocommit) transaction; the caller holds self._lock.

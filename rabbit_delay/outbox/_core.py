@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
-from typing import Any
+from datetime import timedelta
+from typing import Any, Unpack
 from urllib.parse import unquote, urlsplit
 
 from rabbit_delay._envelope import (
@@ -28,7 +28,7 @@ from rabbit_delay._envelope import (
 from rabbit_delay._envelope import outgoing as envelope_outgoing
 from rabbit_delay._errors import ConfigError, EncodeError, PublishError
 from rabbit_delay._publishing.confirms import Ledger, State
-from rabbit_delay._publishing.core import DelayLike, PublisherCore
+from rabbit_delay._publishing.core import PublisherCore, RouteOptions
 from rabbit_delay._topology.delays import Router
 from rabbit_delay._urls import redact
 
@@ -100,27 +100,25 @@ def new_row(
     msg: Body,
     tier: str | timedelta | None = None,
     *,
-    queue: str | None = None,
-    routing_key: str | None = None,
-    delay: DelayLike | None = None,
-    at: datetime | None = None,
+    now: int,
     message_id: str | None = None,
     headers: Mapping[str, object] | None = None,
-    now: int,
+    **where: Unpack[RouteOptions],
 ) -> NewRow:
     """The row for one `add()`, refused exactly as `publish_delayed` would refuse the
     message: DelayError, UnknownTargetError, EncodeError (also for headers that are not
     a JSON object)."""
     if isinstance(tier, timedelta):
-        if delay is not None:
+        if where.get("delay") is not None:
             raise ConfigError("give the delay once: as the tier argument or as delay=, not both")
-        tier, delay = None, tier
-    route = core.route(tier, queue=queue, routing_key=routing_key, delay=delay, at=at, now=now)
+        where["delay"] = tier
+        tier = None
+    route = core.route(tier, now=now, **where)
     body, content_type = encode_body(msg)
     return NewRow(
         message_id=check_message_id(message_id) if message_id is not None else new_message_id(),
-        queue=queue,
-        routing_key=routing_key,
+        queue=where.get("queue"),
+        routing_key=where.get("routing_key"),
         tier=route.tier,
         delay_ms=route.delay_ms,
         created_at=now,

@@ -3,14 +3,14 @@ in the caller's own transaction."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from datetime import datetime, timedelta
-from typing import Any
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Unpack
 
 import rabbit_delay.outbox._sql as _sql
 from rabbit_delay._envelope import Body, now_ms
 from rabbit_delay._io.sql import check_table_name
-from rabbit_delay._publishing.core import DelayLike, PublisherCore
+from rabbit_delay._publishing.core import MessageOptions, PublisherCore
 from rabbit_delay._topology.model import Topology
 from rabbit_delay.outbox._core import DEFAULT_TABLE, new_row
 
@@ -47,13 +47,7 @@ class Outbox:
         conn: Any,
         msg: Body,
         tier: str | timedelta | None = None,
-        *,
-        queue: str | None = None,
-        routing_key: str | None = None,
-        delay: DelayLike | None = None,
-        at: datetime | None = None,
-        message_id: str | None = None,
-        headers: Mapping[str, object] | None = None,
+        **options: Unpack[MessageOptions],
     ) -> str:
         """Write one delayed message into the outbox, in `conn`'s open transaction; its
         message_id. Commits nothing: the row is published once your transaction commits,
@@ -68,18 +62,7 @@ class Outbox:
         not sqlite3 / psycopg 3), OutboxError when the table does not exist; the
         driver's own errors otherwise.
         """
-        row = new_row(
-            self._core,
-            msg,
-            tier,
-            queue=queue,
-            routing_key=routing_key,
-            delay=delay,
-            at=at,
-            message_id=message_id,
-            headers=headers,
-            now=self.clock(),
-        )
+        row = new_row(self._core, msg, tier, now=self.clock(), **options)
         _sql.insert(conn, self.table, row)
         return row.message_id
 

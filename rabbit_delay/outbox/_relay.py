@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 from urllib.parse import quote
 
@@ -41,6 +40,7 @@ from rabbit_delay._errors import (
     UnroutableError,
 )
 from rabbit_delay._io.sql import check_table_name
+from rabbit_delay._opened import Opened
 from rabbit_delay._publishing.confirms import DEFAULT_RECOVERY_TIMEOUT_S
 from rabbit_delay._topology.delays import Router
 from rabbit_delay._topology.model import Topology
@@ -118,7 +118,7 @@ def _ms(value: DurationLike, name: str, *, minimum: int = 0) -> int:
     return ms
 
 
-class Relay:
+class Relay(Opened):
     """Publishes the committed rows of an outbox table, confirmed, and marks them sent.
 
     `db` is a database URL (`sqlite:///app.db`, `postgresql://user:pw@host/db`) or a
@@ -215,14 +215,6 @@ class Relay:
                 store.close()
         if self._owns_publisher and self._publisher is not None:
             self._publisher.close()
-
-    def __enter__(self) -> Self:
-        return self.open()
-
-    def __exit__(
-        self, _t: type[BaseException] | None, _e: BaseException | None, _tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def stop(self) -> None:
         """Ask `run()` to return once the batch in progress is settled (safe from a

@@ -22,7 +22,7 @@ How relays share a table (docs/outbox.md, "Several relays"):
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rabbit_delay._errors import ConfigError, DuplicateMessageError, OutboxError
@@ -300,17 +300,13 @@ class SQLiteRelayStore:
         """Nothing to undo: an unfinished claim runs out with its lease."""
 
     def cleanup(self, before: int) -> int:
-        sql = (
-            f"DELETE FROM {self.table} WHERE id IN (SELECT id FROM {self.table} "
-            "WHERE sent_at IS NOT NULL AND sent_at <= ? LIMIT ?)"
-        )
-        deleted = 0
-        while True:
+        sql = _cleanup_sql(self.table, "?")
+
+        def one_slice() -> int:
             with self._write():
-                n = int(self.conn.execute(sql, (before, _CLEANUP_SLICE)).rowcount)
-            deleted += n
-            if n < _CLEANUP_SLICE:
-                return deleted
+                return int(self.conn.execute(sql, (before, _CLEANUP_SLICE)).rowcount)
+
+        return _in_slices(one_slice)
 
     def pending(self) -> int:
         return int(self._one(f"SELECT count(*) FROM {self.table} WHERE sent_at IS NULL"))
@@ -406,19 +402,16 @@ class PostgresRelayStore:
         self.conn.rollback()
 
     def cleanup(self, before: int) -> int:
-        sql = (
-            f"DELETE FROM {self.table} WHERE id IN (SELECT id FROM {self.table} "
-            "WHERE sent_at IS NOT NULL AND sent_at <= %s LIMIT %s)"
-        )
-        deleted = 0
-        while True:
+        sql = _cleanup_sql(self.table, "%s")
+
+        def one_slice() -> int:
             with _cursor(self.conn) as cur:
                 cur.execute(sql, (before, _CLEANUP_SLICE))
                 n = int(cur.rowcount)
             self.conn.commit()
-            deleted += n
-            if n < _CLEANUP_SLICE:
-                return deleted
+            return n
+
+        return _in_slices(one_slice)
 
     def pending(self) -> int:
         try:
@@ -431,6 +424,26 @@ class PostgresRelayStore:
 
 
 RelayStore = SQLiteRelayStore | PostgresRelayStore
+
+
+def _cleanup_sql(table: str, mark: str) -> str:
+    """Delete one slice of sent rows sent before the first parameter (`mark`: the
+    dialect's placeholder), at most the second."""
+    return (
+        f"DELETE FROM {table} WHERE id IN (SELECT id FROM {table} "
+        f"WHERE sent_at IS NOT NULL AND sent_at <= {mark} LIMIT {mark})"
+    )
+
+
+def _in_slices(delete_slice: Callable[[], int]) -> int:
+    """Sent rows deleted a slice at a time, each slice its own transaction (a relay
+    never holds a long lock for cleaning up), until one comes back short; how many."""
+    deleted = 0
+    while True:
+        n = delete_slice()
+        deleted += n
+        if n < _CLEANUP_SLICE:
+            return deleted
 
 
 def _row(r: Sequence[Any]) -> Row:

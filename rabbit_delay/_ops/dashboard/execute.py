@@ -13,22 +13,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import KW_ONLY, dataclass, field
 
 import pika
 
+import rabbit_delay._ops.parked.rules as parked
 from rabbit_delay._ops.dashboard.rules import Poller
 from rabbit_delay._ops.parked.execute import peek_lot, purge_parked
-from rabbit_delay._ops.parked.rules import (
-    ParkedDetail,
-    ParkedPage,
-    check_page,
-    find,
-    page,
-    parking_lot,
-)
 from rabbit_delay._ops.replay.execute import replay_parked
 from rabbit_delay._ops.replay.rules import ReplayReport
 from rabbit_delay._ops.status.execute import read_status
@@ -36,7 +29,7 @@ from rabbit_delay._ops.status.rules import Status
 from rabbit_delay._ops.stored import Stored
 from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import redact
-from rabbit_delay.sync._connection import close_quietly, connect_first
+from rabbit_delay.sync._connection import connected
 
 log = logging.getLogger("rabbit_delay.dashboard")
 NAME = "rabbit-delay dashboard"
@@ -49,26 +42,20 @@ class Lot:
     messages: tuple[Stored, ...]
 
 
+@dataclass(eq=False)
 class BrokerBackend:
-    """What the dashboard reads from and does to the broker."""
+    """What the dashboard reads from and does to the broker: `topology` on the first of
+    `urls` that answers; parking lots kept `every` seconds."""
 
-    def __init__(
-        self,
-        topology: Topology,
-        urls: Sequence[str],
-        *,
-        every: float,
-        management_url: str | None = None,
-        no_management: bool = False,
-    ) -> None:
-        self.topology = topology
-        self.urls = tuple(urls)
-        self.every = every
-        self.management_url = management_url
-        self.no_management = no_management
-        self._lots: dict[str, Poller[Lot]] = {}
-        self._locks: dict[str, threading.Lock] = {}
-        self._guard = threading.Lock()
+    topology: Topology
+    urls: Sequence[str]
+    _: KW_ONLY
+    every: float
+    management_url: str | None = None
+    no_management: bool = False
+    _lots: dict[str, Poller[Lot]] = field(default_factory=dict, init=False, repr=False)
+    _locks: dict[str, threading.Lock] = field(default_factory=dict, init=False, repr=False)
+    _guard: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     # -- status ---------------------------------------------------------------------------
 
@@ -84,21 +71,16 @@ class BrokerBackend:
 
     # -- parking lots -----------------------------------------------------------------------
 
-    @contextmanager
-    def _connection(self) -> Iterator[pika.BlockingConnection]:
+    def _connection(self) -> AbstractContextManager[pika.BlockingConnection]:
         """A connection of this operation's own (the first of the URLs that answers)."""
-        connection, _ = connect_first(self.urls, name=NAME)
-        try:
-            yield connection
-        finally:
-            close_quietly(connection)
+        return connected(self.urls, name=NAME)
 
     def _lock(self, lot: str) -> threading.Lock:
         with self._guard:
             return self._locks.setdefault(lot, threading.Lock())
 
     def _poller(self, queue: str) -> Poller[Lot]:
-        logical, lot = parking_lot(self.topology, queue)  # UnknownTargetError first
+        logical, lot = parked.parking_lot(self.topology, queue)  # UnknownTargetError first
         with self._guard:
             poller = self._lots.get(lot)
             if poller is None:
@@ -120,19 +102,24 @@ class BrokerBackend:
         assert state.value is not None
         return state.value, state.read_at_ms
 
-    def parked_page(self, queue: str, offset: int, limit: int) -> tuple[ParkedPage, int | None]:
-        check_page(offset, limit)
+    def parked_page(
+        self, queue: str, offset: int, limit: int
+    ) -> tuple[parked.ParkedPage, int | None]:
+        parked.check_page(offset, limit)
         lot, read_at = self.lot(queue)
         chosen = lot.messages[offset : offset + limit]
-        return page(lot.queue, lot.parking_queue, len(lot.messages), offset, limit, chosen), read_at
+        found = parked.page(lot.queue, lot.parking_queue, len(lot.messages), offset, limit, chosen)
+        return found, read_at
 
-    def parked_detail(self, queue: str, message_id: str) -> tuple[str, int, list[ParkedDetail]]:
+    def parked_detail(
+        self, queue: str, message_id: str
+    ) -> tuple[str, int, list[parked.ParkedDetail]]:
         lot, _ = self.lot(queue)
-        return lot.parking_queue, len(lot.messages), find(lot.messages, message_id)
+        return lot.parking_queue, len(lot.messages), parked.find(lot.messages, message_id)
 
     def forget(self, queue: str) -> None:
         """The next look at `queue`'s lot reads it again (an action changed it)."""
-        _, lot = parking_lot(self.topology, queue)
+        _, lot = parked.parking_lot(self.topology, queue)
         with self._guard:
             poller = self._lots.get(lot)
         if poller is not None:
@@ -144,7 +131,7 @@ class BrokerBackend:
         """`rabbit-delay replay QUEUE [--tier T]`, or of one message. Raises what
         `replay_parked` raises before moving anything; a failure while moving is in the
         report's `error`."""
-        _, lot = parking_lot(self.topology, queue)
+        _, lot = parked.parking_lot(self.topology, queue)
         try:
             with self._lock(lot), self._connection() as connection:
                 report = replay_parked(
@@ -165,7 +152,7 @@ class BrokerBackend:
 
     def purge(self, queue: str) -> tuple[str, int]:
         """(parking-lot name, messages purged). Raises what `purge_parked` raises."""
-        _, lot = parking_lot(self.topology, queue)
+        _, lot = parked.parking_lot(self.topology, queue)
         try:
             with self._lock(lot), self._connection() as connection:
                 purged = purge_parked(connection, self.topology, queue)

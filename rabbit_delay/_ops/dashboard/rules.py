@@ -29,6 +29,7 @@ from rabbit_delay._names import Names
 from rabbit_delay._observe.metrics import NAMESPACE
 from rabbit_delay._ops.parked.rules import DEFAULT_LIMIT, check_page
 from rabbit_delay._ops.status.rules import QueueRole, QueueRow, Status
+from rabbit_delay._record import fields_json
 
 DEFAULT_PORT = 8765
 DEFAULT_HOST = "127.0.0.1"
@@ -285,18 +286,19 @@ class Node:
         return MARGIN + self.row * (NODE_H + GAP_Y)
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "label": self.label,
-            "column": self.column,
-            "row": self.row,
-            "role": self.role,
-            "ready": self.ready,
-            "unacked": self.unacked,
-            "consumers": self.consumers,
-            "attention": self.attention,
-            "queue": self.queue,
-        }
+        return fields_json(
+            self,
+            "key",
+            "label",
+            "column",
+            "row",
+            "role",
+            "ready",
+            "unacked",
+            "consumers",
+            "attention",
+            "queue",
+        )
 
 
 @dataclass(frozen=True, slots=True)

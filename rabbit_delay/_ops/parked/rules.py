@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import UTC, date, datetime
 from decimal import Decimal
 from typing import Any
@@ -22,6 +22,7 @@ from rabbit_delay._durations import iso, iso_ms
 from rabbit_delay._errors import ConfigError
 from rabbit_delay._ops.replay.rules import resolve_queue
 from rabbit_delay._ops.stored import Stored
+from rabbit_delay._record import fields_json
 from rabbit_delay._topology.model import Topology
 
 # `parked list` shows this many messages unless --limit says otherwise.
@@ -70,19 +71,7 @@ class ParkedItem:
         )
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "position": self.position,
-            "message_id": self.message_id,
-            "reason": self.reason,
-            "error_type": self.error_type,
-            "error_message": self.error_message,
-            "attempts": self.attempts,
-            "first_failure": self.first_failure,
-            "last_failure": self.last_failure,
-            "parked_at": self.parked_at,
-            "original_queue": self.original_queue,
-            "target": self.target,
-        }
+        return asdict(self)  # every field, in order
 
 
 def _str(value: object) -> str | None:
@@ -108,12 +97,9 @@ class ParkedPage:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "queue": self.queue,
-            "parking_queue": self.parking_queue,
-            "total": self.total,
-            "offset": self.offset,
-            "limit": self.limit,
-            "next_offset": self.next_offset,
+            **fields_json(
+                self, "queue", "parking_queue", "total", "offset", "limit", "next_offset"
+            ),
             "messages": [item.as_json() for item in self.items],
         }
 
@@ -210,10 +196,7 @@ class ParkedDetail:
     def as_json(self) -> dict[str, Any]:
         return {
             **self.item.as_json(),
-            "content_type": self.content_type,
-            "exchange": self.exchange,
-            "routing_key": self.routing_key,
-            "timestamp": self.timestamp,
+            **fields_json(self, "content_type", "exchange", "routing_key", "timestamp"),
             "headers": dict(self.headers),
             "traceback": self.traceback,
             "body": self.body.as_json(),

@@ -53,6 +53,18 @@ VIA_AMQP = "basic.get (or a consumer), then requeue in order"
 _FAILURES: tuple[type[BaseException], ...] = (*CLIENT_ERRORS, RabbitDelayError)
 
 
+def _parked_replay(
+    connection: pika.BlockingConnection, topology: Topology, queue: str, tier: str | None
+) -> tuple[ParkedReplay, int]:
+    """The replay of `queue`'s parking lot, once the lot and the business queue are
+    known to exist, and how many messages the lot holds. Raises UnknownTargetError /
+    DelayError for a bad queue or tier, MissingObjectError for a missing queue."""
+    plan = ParkedReplay(topology, queue, tier)
+    held = ready_messages(connection, plan.parking_queue, "parking lot")
+    ready_messages(connection, plan.business_queue, "business queue")
+    return plan, held
+
+
 def preview_parked(
     connection: pika.BlockingConnection,
     topology: Topology,
@@ -66,9 +78,7 @@ def preview_parked(
     Raises what `replay_parked` raises before moving anything, so a dry run fails where
     the real run would.
     """
-    plan = ParkedReplay(topology, queue, tier)
-    held = ready_messages(connection, plan.parking_queue, "parking lot")
-    ready_messages(connection, plan.business_queue, "business queue")
+    plan, held = _parked_replay(connection, topology, queue, tier)
     count = min(held if limit is None else min(limit, held), PREVIEW_MAX)
     found, via = peek(connection, plan.parking_queue, count), VIA_AMQP
     now = now_ms()
@@ -131,9 +141,7 @@ def replay_parked(
     due message for a missing queue would only land in the catch-all). A failure while
     moving is reported in `ReplayReport.error`.
     """
-    plan = ParkedReplay(topology, queue, tier)
-    held = ready_messages(connection, plan.parking_queue, "parking lot")
-    ready_messages(connection, plan.business_queue, "business queue")
+    plan, held = _parked_replay(connection, topology, queue, tier)
     budget = held if limit is None else min(limit, held)
     report = ReplayReport(plan.parking_queue, plan.destination)
     if budget <= 0:

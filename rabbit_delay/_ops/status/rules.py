@@ -24,6 +24,7 @@ from rabbit_delay._broker import BrokerInfo, QueueCounts
 from rabbit_delay._durations import format_ms, iso_ms
 from rabbit_delay._names import CASCADE_KIND, TIER_KIND
 from rabbit_delay._plan.desired import desired
+from rabbit_delay._record import fields_json
 from rabbit_delay._topology.model import QueueType, Topology
 
 
@@ -126,22 +127,13 @@ class QueueRow:
             "role": self.role.value,
             "name": self.name,
             "ttl": format_ms(self.ttl_ms) if self.ttl_ms is not None else None,
-            "ttl_ms": self.ttl_ms,
-            "exists": self.exists,
-            "ready": self.ready,
-            "unacked": self.unacked,
-            "consumers": self.consumers,
-            "leader": self.leader,
+            **fields_json(self, "ttl_ms", "exists", "ready", "unacked", "consumers", "leader"),
             "members": list(self.members) if self.members is not None else None,
             "online": list(self.online) if self.online is not None else None,
             "dead_lettering": self.dead_lettering,
             "oldest_age_ms": self.oldest_age_ms,
             "oldest_age": format_ms(self.oldest_age_ms) if self.oldest_age_ms is not None else None,
-            "age_source": self.age_source,
-            "stuck": self.stuck,
-            "attention": self.attention,
-            "notes": self.notes,
-            "hints": self.hints,
+            **fields_json(self, "age_source", "stuck", "attention", "notes", "hints"),
         }
 
 
@@ -365,14 +357,9 @@ class Status:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "namespace": self.namespace,
-            "broker": self.broker,
-            "broker_version": self.broker_version,
-            "broker_description": self.broker_description,
+            **fields_json(self, "namespace", "broker", "broker_version", "broker_description"),
             "checked_at": iso_ms(self.checked_at_ms),
-            "sources": self.sources,
-            "management_api": self.management_api,
-            "attention": self.attention,
+            **fields_json(self, "sources", "management_api", "attention"),
             "attention_items": [
                 {"subject": item.subject, "hint": item.hint} for item in self.attention_items()
             ],

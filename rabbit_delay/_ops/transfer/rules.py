@@ -40,6 +40,7 @@ from rabbit_delay._errors import ConfigError, DecodeError, DelayError, UnknownTa
 from rabbit_delay._ops.replay.rules import Leave, replay_headers
 from rabbit_delay._ops.stored import Stored
 from rabbit_delay._plan.desired import desired
+from rabbit_delay._record import fields_json
 from rabbit_delay._topology.delays import Router
 from rabbit_delay._topology.model import QueueType, Topology
 
@@ -396,10 +397,7 @@ class QueueTally:
             "queue": self.source.name,
             "role": self.source.kind.value,
             "ttl": format_ms(self.source.ttl_ms) if self.source.ttl_ms is not None else None,
-            "ready": self.ready,
-            "consumers": self.consumers,
-            "skipped": self.skipped,
-            "moved": self.moved,
+            **fields_json(self, "ready", "consumers", "skipped", "moved"),
             "left": [{"reason": r, "count": n} for r, n in self.left.most_common()],
             "destinations": dict(self.destinations.most_common()),
             "added_lateness_max": format_ms(self.added_max_ms),
@@ -506,14 +504,9 @@ class TransferReport:
         return {
             "dry_run": self.dry_run,
             "ok": self.complete,
-            "source": self.source,
-            "target": self.target,
-            "moved": self.moved,
-            "left": self.left,
+            **fields_json(self, "source", "target", "moved", "left"),
             "still_in_source": self.pending_after,
-            "limit": self.limit,
-            "limit_reached": self.limit_reached,
-            "passes": self.passes,
+            **fields_json(self, "limit", "limit_reached", "passes"),
             "elapsed_s": round(self.elapsed_s, 3),
             "rate_msg_s": round(self.rate, 1),
             "added_lateness": {
