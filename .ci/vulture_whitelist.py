@@ -11,7 +11,7 @@ application using the public API); anything else that vulture reports is dead: d
 __getattr__  # PEP 562: the lazy exports of rabbit_delay/__init__.py
 __dir__  # PEP 562: the lazy exports of rabbit_delay/__init__.py
 _root  # typer: the app's callback (rabbit_delay/_cli/app.py)
-permissions_command  # typer: the `permissions` command (rabbit_delay/_cli/commands.py)
+permissions_command  # typer: the `permissions` command (rabbit_delay/_cli/declare.py)
 _.exit_code  # click reads it from a usage error (rabbit_delay/_cli/app.py)
 rabbit_delay_broker  # pytest: a fixture of the plugin (rabbit_delay/testing/pytest_plugin.py)
 model_config  # pydantic (rabbit_delay/_topology/model.py)
@@ -21,7 +21,7 @@ _._ttl_fits  # pydantic validator (rabbit_delay/_topology/model.py)
 _._absolute_path  # pydantic validator (rabbit_delay/_topology/model.py)
 _._idempotency_in_context  # pydantic validator (rabbit_delay/_topology/model.py)
 _._consistent  # pydantic validator (rabbit_delay/_topology/model.py)
-_.submit  # concurrent.futures.Executor: run_in_executor calls it (rabbit_delay/aio/_worker.py)
+_.submit  # concurrent.futures.Executor: run_in_executor calls it (rabbit_delay/_aio/worker.py)
 daemon_threads  # socketserver (rabbit_delay/_io/endpoints.py, _ops/dashboard/server.py)
 allow_reuse_address  # socketserver (rabbit_delay/_io/endpoints.py, _ops/dashboard/server.py)
 request_queue_size  # socketserver (rabbit_delay/_ops/dashboard/server.py)
@@ -31,7 +31,7 @@ _.log_request  # http.server: an override (rabbit_delay/_ops/dashboard/server.py
 _.formatTime  # logging.Formatter: an override (rabbit_delay/_observe/logs.py)
 datefmt  # logging.Formatter.formatTime's parameter (rabbit_delay/_observe/logs.py)
 tb  # __exit__ / __aexit__'s parameter (rabbit_delay/testing/_kit.py)
-_.client_properties  # read by pika: ConnectionParameters (rabbit_delay/sync/_connection.py)
+_.client_properties  # read by pika: ConnectionParameters (rabbit_delay/_sync/connection.py)
 _.connection_attempts  # read by pika: ConnectionParameters
 _.socket_timeout  # read by pika: ConnectionParameters
 _.stack_timeout  # read by pika: ConnectionParameters
@@ -45,7 +45,7 @@ SUCCESS  # metrics.Outcome("success"): the outcome label (rabbit_delay/_observe/
 PARK  # metrics.Outcome("park"): the outcome label (rabbit_delay/_observe/metrics.py)
 
 # Counters read through dataclasses.fields() (as_dict: metrics, /healthz, logs).
-deferred  # WorkerStats (rabbit_delay/_consumer/stats.py)
+deferred  # WorkerStats (rabbit_delay/_observe/report.py)
 duplicates  # WorkerStats
 publish_failures  # WorkerStats
 reconnects  # WorkerStats

@@ -44,10 +44,10 @@ from rabbit_delay._ops.dashboard.server import Dashboard, serve
 from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topology
 from rabbit_delay._ops.parked.execute import list_parked
 from rabbit_delay._ops.status.execute import read_status
+from rabbit_delay._sync.connection import close_quietly, connect_first
 from rabbit_delay._urls import broker_url, redact
 from rabbit_delay.sync import Publisher, connected
 from rabbit_delay.sync import declare as sync_declare
-from rabbit_delay.sync._connection import close_quietly, connect_first
 
 LOT = "q07"
 CACHED_GETS = 50

@@ -31,6 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pika
 import pika.exceptions
@@ -39,18 +40,18 @@ from pydantic import BaseModel
 from rabbit_delay import (
     App,
     BrokerUnavailable,
+    ConnectionSettings,
     HandlerContext,
     RabbitDelayError,
     Topology,
     Worker,
+    redact,
     topology_from_dict,
 )
-from rabbit_delay._observe.report import WorkerStats
-from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topology
-from rabbit_delay._urls import broker_url, redact
 from rabbit_delay.aio import AsyncPublisher
 from rabbit_delay.stores import MemoryStore
 from rabbit_delay.sync import Publisher, connect, connected, declare
+from rabbit_delay.sync import delete_topology as sync_delete_topology
 
 NAMESPACE_ENV = "RABBIT_DELAY_EXAMPLE_NAMESPACE"  # tests run examples in a namespace of their own
 MAX_LATE_MS = 1_000
@@ -177,7 +178,7 @@ def demo_app(topology: Topology, sent: dict[str, Sent]) -> App:
     return app
 
 
-def consume(app: App, url: str, sent: dict[str, Sent], deadline: float) -> WorkerStats:
+def consume(app: App, url: str, sent: dict[str, Sent], deadline: float) -> Any:
     """Run the worker until every sent message was handled or the deadline passed."""
     worker = Worker(app, url, install_signal_handlers=False)
     thread = threading.Thread(target=worker.run, name="demo worker", daemon=True)
@@ -192,7 +193,7 @@ def consume(app: App, url: str, sent: dict[str, Sent], deadline: float) -> Worke
     finally:
         worker.stop()  # as SIGTERM would: in-flight handlers finish, then it closes
         thread.join(10)
-    return worker.stats
+    return worker.stats  # the worker's counters: acked, retried, parked...
 
 
 def purge_business_queues(topology: Topology, url: str) -> None:
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("aio_pika").setLevel(logging.WARNING)
     logging.getLogger("aiormq").setLevel(logging.WARNING)
 
-    url = broker_url(args.url)
+    url = ConnectionSettings().resolve(args.url)[0]
     topology = demo_topology(args.namespace)
     print(f"broker:   {redact(url)}")
     try:

@@ -34,10 +34,17 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from rabbit_delay import App, BrokerUnavailable, HandlerContext, Topology, topology_from_dict
-from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topology
-from rabbit_delay._urls import broker_url, redact
+from rabbit_delay import (
+    App,
+    BrokerUnavailable,
+    ConnectionSettings,
+    HandlerContext,
+    Topology,
+    redact,
+    topology_from_dict,
+)
 from rabbit_delay.sync import Publisher, connect, connected, declare
+from rabbit_delay.sync import delete_topology as sync_delete_topology
 
 NAMESPACE_ENV = "RABBIT_DELAY_EXAMPLE_NAMESPACE"  # tests run examples in a namespace of their own
 DEADLINE_S = 15.0
@@ -100,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         "--async", dest="use_async", action="store_true", help="run the aio-pika worker"
     )
     args = parser.parse_args(argv)
-    url = broker_url()
+    url = ConnectionSettings().resolve(None)[0]
     namespace = os.environ.get(NAMESPACE_ENV) or "orders" + uuid.uuid4().hex[:6]
     with tempfile.TemporaryDirectory(prefix="order-timeouts-") as tmp:
         app, cancelled = make_app(namespace, Path(tmp) / "idempotency.sqlite3")

@@ -38,15 +38,15 @@ from pydantic import BaseModel
 from rabbit_delay import (
     App,
     BrokerUnavailable,
+    ConnectionSettings,
     HandlerContext,
     Topology,
     Worker,
+    redact,
     topology_from_dict,
 )
-from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topology
-from rabbit_delay._urls import broker_url, redact
 from rabbit_delay.outbox import Outbox, Relay
-from rabbit_delay.sync import connect, connected, declare
+from rabbit_delay.sync import connect, connected, declare, delete_topology
 
 NAMESPACE_ENV = "RABBIT_DELAY_EXAMPLE_NAMESPACE"  # tests run examples in a namespace of their own
 TIMEOUT = "2s"  # a shop would write "30m"
@@ -96,7 +96,7 @@ def place_order(conn: sqlite3.Connection, outbox: Outbox, order_id: int, *, fail
 
 
 def main() -> int:
-    url = broker_url()
+    url = ConnectionSettings().resolve(None)[0]
     namespace = os.environ.get(NAMESPACE_ENV) or "outbox" + uuid.uuid4().hex[:6]
     topology = make_topology(namespace)
     try:
@@ -113,7 +113,7 @@ def main() -> int:
             return run(topology, Path(tmp) / "shop.db", url)
     finally:
         with connected(url, name="rabbit-delay cleanup") as cleanup:
-            sync_delete_topology(cleanup, topology)
+            delete_topology(cleanup, topology)
 
 
 def run(topology: Topology, path: Path, url: str) -> int:

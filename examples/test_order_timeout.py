@@ -20,9 +20,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from rabbit_delay import App, HandlerContext, Reject
-from rabbit_delay._publishing.core import PublisherCore
-from rabbit_delay.testing import TestBroker
+from rabbit_delay import App, HandlerContext, Publisher, Reject
+from rabbit_delay.testing import MemoryPublisher, TestBroker
 
 TOPOLOGY = Path(__file__).resolve().parent.parent / "topology" / "orders.toml"
 QUEUE = "orders.cancel-unpaid"
@@ -63,9 +62,9 @@ def make_app(orders: OrderService) -> App:
     return app
 
 
-# The shop's code takes a sync publisher: rabbit_delay.sync.Publisher in production, the
-# kit's MemoryPublisher in tests (the same class underneath: PublisherCore).
-SyncPublisher = PublisherCore[str, list[str]]
+# The shop's code takes a sync publisher: rabbit_delay.Publisher in production, the
+# kit's MemoryPublisher in tests (the same API).
+SyncPublisher = Publisher | MemoryPublisher
 
 
 def place_order(publisher: SyncPublisher, order_id: int) -> str:

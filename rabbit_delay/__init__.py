@@ -59,6 +59,7 @@ from rabbit_delay._errors import (
 from rabbit_delay._reconcile import AsyncReconcileContext, ReconcileContext, Resubmit
 from rabbit_delay._tls import TLSOptions
 from rabbit_delay._topology.model import Topology, load_topology, topology_from_dict
+from rabbit_delay._urls import redact
 from rabbit_delay._version import __version__
 
 if TYPE_CHECKING:
@@ -108,6 +109,7 @@ __all__ = [
     "Worker",
     "__version__",
     "load_topology",
+    "redact",
     "topology_from_dict",
 ]
 
@@ -121,10 +123,10 @@ del _name, _obj
 
 # name -> the transport package that defines it, imported on first use
 _LAZY = {
-    "Publisher": "rabbit_delay.sync",
-    "Worker": "rabbit_delay.sync",
-    "AsyncPublisher": "rabbit_delay.aio",
-    "AsyncWorker": "rabbit_delay.aio",
+    "Publisher": "rabbit_delay._sync.publisher",
+    "Worker": "rabbit_delay._sync.worker",
+    "AsyncPublisher": "rabbit_delay._aio.publisher",
+    "AsyncWorker": "rabbit_delay._aio.worker",
 }
 
 

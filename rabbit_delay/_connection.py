@@ -1,7 +1,7 @@
 """Connection settings shared by both transports, and the decisions around connecting:
 which URLs to try in which order, how long to wait between rounds, and why an attempt
-failed, in words a user can act on. Pure: the transports (`sync/_connection.py`,
-`aio/_connection.py`) open the sockets.
+failed, in words a user can act on. Pure: the transports (`_sync/connection.py`,
+`_aio/connection.py`) open the sockets.
 
     settings = ConnectionSettings(urls=("amqp://u:pw@node1/", "amqp://u:pw@node2/"))
 

@@ -211,8 +211,8 @@ class DecodeError(RabbitDelayError, ValueError):
     """A delivered message cannot be decoded or validated."""
 
 
-# -- the one decision behind both transports' exception maps (sync/_errors.py,
-#    aio/_errors.py): what a broker's close reply means. Pure. --------------------------
+# -- the one decision behind both transports' exception maps (_sync/errors.py,
+#    _aio/errors.py): what a broker's close reply means. Pure. --------------------------
 
 _RESOURCE = re.compile(r"(?:access to |no )(?P<what>(?:queue|exchange|vhost) '[^']*')")
 # RabbitMQ names the permission it checked: "write access to queue 'q' in vhost ..."
@@ -279,7 +279,7 @@ def for_publishes(error: RabbitDelayError, message_ids: Sequence[str]) -> Rabbit
     return error
 
 
-# -- what both exception maps (sync/_errors.py, aio/_errors.py) build --------------------
+# -- what both exception maps (_sync/errors.py, _aio/errors.py) build --------------------
 
 Translate = Callable[..., RabbitDelayError]
 

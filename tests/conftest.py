@@ -243,7 +243,7 @@ def wait_for(
         time.sleep(interval)
 
 
-# -- OpenTelemetry spans (tests of rabbit_delay/tracing.py) -------------------------------
+# -- OpenTelemetry spans (tests of rabbit_delay/_observe/tracing.py) -------------------------------
 
 
 class Spans:

@@ -184,7 +184,7 @@ class StoreContract:
     async def test_a_reconcile_run_claim_and_its_period_record(
         self, store: AsyncIdempotencyStore
     ) -> None:
-        """What reconcilers rely on (consumer/_reconcile.py): a run claim one owner holds
+        """What reconcilers rely on (_reconcile.py): a run claim one owner holds
         at a time and gives back, and a period tombstone that overrides the period
         claim of the run that wrote it and turns later looks away."""
         running, period = new_key(), new_key()

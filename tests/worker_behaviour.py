@@ -5,7 +5,7 @@ tests/integration/test_worker_behaviour.py (the sync worker and the async worker
 real broker: `async def` handlers on its loop and `def` handlers in its thread pool) and
 by tests/unit/test_worker_behaviour_memory.py (rabbit_delay.testing's in-memory worker
 on its MemoryBroker, with `def` and with `async def` handlers, emulating RabbitMQ 4.3
-and 3.10). All of them drive the same delivery program (consumer/_delivery.py), so the
+and 3.10). All of them drive the same delivery program (_consumer/delivery.py), so the
 same assertions must hold, written once, here.
 
 Each implementation module provides two fixtures of `Bench`es (the driver interface

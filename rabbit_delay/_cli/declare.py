@@ -117,10 +117,10 @@ def _command(name: str, act: Callable[[_Read, bool], int]) -> Callable[..., None
         no_management: opt.NoMgmtOpt = False,
         as_json: opt.JsonOpt = False,
     ) -> None:
+        from rabbit_delay._sync.connection import close_quietly, connect_first
         from rabbit_delay.sync import broker_info
         from rabbit_delay.sync import declare as sync_declare
         from rabbit_delay.sync import plan as sync_plan
-        from rabbit_delay.sync._connection import close_quietly, connect_first
 
         with opt.errors_to_exit():
             topology = opt.resolve_topology(file, topology_file)

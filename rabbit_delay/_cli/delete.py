@@ -81,8 +81,8 @@ def delete(
     with --dry-run, when it would go ahead); 1 when refused or on an error.
     """
     from rabbit_delay._ops.delete.execute import delete as sync_delete
+    from rabbit_delay._sync.connection import close_quietly, connect_first
     from rabbit_delay.sync import broker_info
-    from rabbit_delay.sync._connection import close_quietly, connect_first
 
     with opt.errors_to_exit():
         topology = opt.resolve_topology(file, topology_file)

@@ -73,8 +73,8 @@ def describe(result: ReconcileResult) -> str:
 def _run_sync(
     the_app: App, chosen: list[Reconciler], urls: tuple[str, ...]
 ) -> list[ReconcileResult]:
-    from rabbit_delay.sync._publisher import Publisher
-    from rabbit_delay.sync._reconcile import run_reconciler
+    from rabbit_delay._sync.publisher import Publisher
+    from rabbit_delay._sync.reconcile import run_reconciler
 
     topology, identity = the_app.topology, worker_identity()
 
@@ -93,8 +93,8 @@ def _run_sync(
 async def _run_async(
     the_app: App, chosen: list[Reconciler], urls: tuple[str, ...]
 ) -> list[ReconcileResult]:
-    from rabbit_delay.aio._publisher import AsyncPublisher
-    from rabbit_delay.aio._reconcile import arun_reconciler
+    from rabbit_delay._aio.publisher import AsyncPublisher
+    from rabbit_delay._aio.reconcile import arun_reconciler
 
     topology, identity = the_app.topology, worker_identity()
 

@@ -19,7 +19,7 @@ from rabbit_delay._durations import parse_ms
 from rabbit_delay._errors import DurationError
 
 if TYPE_CHECKING:
-    from rabbit_delay.aio._worker import AsyncWorker
+    from rabbit_delay._aio.worker import AsyncWorker
 
 log = logging.getLogger("rabbit_delay.worker")
 
@@ -153,13 +153,13 @@ def worker(
         }
         try:
             if chosen is Transport.SYNC:
-                from rabbit_delay.sync._worker import Worker
+                from rabbit_delay._sync.worker import Worker
 
                 sync_worker = Worker(the_app, broker, **settings)
                 _serve(sync_worker, metrics_port, health_port)
                 sync_worker.run()
             else:
-                from rabbit_delay.aio._worker import AsyncWorker
+                from rabbit_delay._aio.worker import AsyncWorker
 
                 async_worker = AsyncWorker(the_app, broker, **settings)
                 _serve(async_worker, metrics_port, health_port)

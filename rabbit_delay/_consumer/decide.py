@@ -10,7 +10,7 @@ attempts, tiers, parking or headers is written anywhere else.
     ClaimResult.CANCELLED            Skip(cancelled)     ack, handler not run (tombstone)
     ClaimResult.IN_PROGRESS          Republish(defer)    same attempt, after a delay that
                                      doubles per deferral from the shortest tier, capped at
-                                     half a lease (consumer/_lease.py)
+                                     half a lease (_consumer/leases.py)
     Crashed (lost deliveries >=      Park(crashed)       handler not run again
     the queue's delivery_limit)
     Undecodable                      Park(decode_error | validation_error)

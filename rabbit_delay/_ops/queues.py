@@ -19,7 +19,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 from rabbit_delay._broker import QueueCounts
 from rabbit_delay._errors import MissingObjectError
 from rabbit_delay._ops.stored import Stored
-from rabbit_delay.sync._errors import mapped
+from rabbit_delay._sync.errors import mapped
 
 # -- counting -------------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@ encoding of a publish, the options and lifecycle rules of a publisher, how a cal
 (its ids, or the one error naming exactly the ids concerned) and the metrics. No I/O.
 
 The ledger of confirms, the recovery deadline and the blocked rule are in
-`rabbit_delay._publishing.confirms`; `sync/publisher.py` (pika) and `aio/publisher.py` (aio-pika)
+`rabbit_delay._publishing.confirms`; `_sync/publisher.py` (pika) and `_aio/publisher.py` (aio-pika)
 only send, wait and reconnect as told.
 """
 

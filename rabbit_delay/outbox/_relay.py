@@ -66,7 +66,7 @@ from rabbit_delay.outbox._core import (
 if TYPE_CHECKING:
     from rabbit_delay._observe.metrics import Metrics
     from rabbit_delay._publishing.core import URLs
-    from rabbit_delay.sync._publisher import Publisher
+    from rabbit_delay._sync.publisher import Publisher
 
 log = logging.getLogger("rabbit_delay.outbox")
 
@@ -282,7 +282,7 @@ class Relay(Opened):
     def _open_publisher(self) -> Publisher:
         publisher = self._publisher
         if publisher is None:
-            from rabbit_delay.sync._publisher import Publisher
+            from rabbit_delay._sync.publisher import Publisher
 
             publisher = Publisher(
                 self.topology, self.url, metrics=self.metrics, settings=self.settings

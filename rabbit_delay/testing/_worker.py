@@ -1,5 +1,5 @@
-"""The in-memory worker: a driver of the delivery program (`consumer/_delivery.py`), as
-`sync/worker.py` and `aio/worker.py` are, on the in-memory broker's loop and clock.
+"""The in-memory worker: a driver of the delivery program (`_consumer/delivery.py`), as
+`_sync/worker.py` and `_aio/worker.py` are, on the in-memory broker's loop and clock.
 
 It decides nothing about a delivery: the program claims, runs, finishes, publishes and
 settles; this module executes each step against the MemoryBroker, the app's guard and a

@@ -18,15 +18,15 @@ from conftest import message_count
 from typer.testing import CliRunner, Result
 
 from rabbit_delay import Topology, aio
+from rabbit_delay._aio.declarer import run_program as aio_run_program
 from rabbit_delay._broker import BrokerInfo
 from rabbit_delay._cli.app import app
 from rabbit_delay._io.management import checked
 from rabbit_delay._plan.desired import desired
 from rabbit_delay._plan.program import Operation, RoutesEveryKey
+from rabbit_delay._sync.declarer import run_program
 from rabbit_delay._urls import MANAGEMENT_URL_ENV, URL_ENV, ManagementEndpoint, management_endpoints
-from rabbit_delay.aio._declarer import run_program as aio_run_program
 from rabbit_delay.sync import connect
-from rabbit_delay.sync._declarer import run_program
 
 from ._publishers import broker_state, toml_for
 from ._scratch_node import ScratchNode, scratch_kind, started_node

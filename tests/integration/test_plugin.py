@@ -46,9 +46,9 @@ from rabbit_delay._broker import BrokerInfo
 from rabbit_delay._io.management import read_observed
 from rabbit_delay._plan.desired import ExchangeSpec, QueueSpec, desired
 from rabbit_delay._plan.program import Operation, SupportsType
+from rabbit_delay._sync.declarer import run_program
 from rabbit_delay._urls import ManagementEndpoint
 from rabbit_delay.sync import Publisher, connect, declare, plan
-from rabbit_delay.sync._declarer import run_program
 
 from ._scratch_node import Collector
 

@@ -215,7 +215,7 @@ def test_the_aio_context_checks_server_name_instead_of_the_host() -> None:
     is checked against that name instead (pika takes it as SSLOptions' server_hostname)."""
     import ssl
 
-    from rabbit_delay.aio._connection import tls_context
+    from rabbit_delay._aio.connection import tls_context
 
     plain = tls_context(TLSOptions())
     named = tls_context(TLSOptions(server_name="rabbit.internal"))

@@ -1,4 +1,4 @@
-"""The delivery program (`consumer/_delivery.py`) and its lease rules (`consumer/_lease.py`):
+"""The delivery program (`_consumer/delivery.py`) and its lease rules (`_consumer/leases.py`):
 pure, no broker. Each test drives the program the way a worker does and checks the steps."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The two exception maps (sync/_errors.py for pika, aio/_errors.py for aiormq and
+"""The two exception maps (_sync/errors.py for pika, _aio/errors.py for aiormq and
 aio-pika), fed the clients' real exception classes built the way the clients build
 them: each becomes the right class of the error tree, with the permission and the ids
 it should name, and nothing of the client escapes `mapped`."""
@@ -31,8 +31,8 @@ from rabbit_delay import (
     UnconfirmedError,
     UnroutableError,
 )
-from rabbit_delay.aio import _errors as aio_map
-from rabbit_delay.sync import _errors as pika_map
+from rabbit_delay._aio import errors as aio_map
+from rabbit_delay._sync import errors as pika_map
 
 REFUSED_WRITE = "ACCESS_REFUSED - write access to queue 'ns.q' in vhost '/' refused for user 'app'"
 REFUSED_CONFIGURE = (

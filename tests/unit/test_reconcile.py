@@ -1,4 +1,4 @@
-"""Reconcilers (consumer/_reconcile.py): registration, the schedule and the run program,
+"""Reconcilers (_reconcile.py): registration, the schedule and the run program,
 driven here against a MemoryStore and a fake clock, no broker."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Clock:
 
 
 class Driver:
-    """Executes a run program's steps the way sync/reconcile.py does, on a MemoryStore."""
+    """Executes a run program's steps the way _sync/reconcile.py does, on a MemoryStore."""
 
     def __init__(self, app: App, store: MemoryStore, clock: Clock) -> None:
         self.app, self.store, self.clock = app, store, clock

@@ -286,7 +286,7 @@ def test_the_same_id_takes_the_same_shard_every_time(sharded: Topology) -> None:
 
 
 def test_worker_retries_and_replays_through_a_sharded_tier_shard_by_id(sharded: Topology) -> None:
-    """Retries (consumer/_decide.py) and replays (replay.py) build their copies with
+    """Retries (_consumer/decide.py) and replays (replay.py) build their copies with
     PublisherCore.outgoing from a Router route: the id picks the shard there too."""
     from rabbit_delay._consumer.decide import QueuePolicy
     from rabbit_delay._ops.replay.rules import ParkedReplay

@@ -1,4 +1,4 @@
-"""Tracing (rabbit_delay/tracing.py): the trace headers through publish, retry and replay,
+"""Tracing (rabbit_delay/_observe/tracing.py): the trace headers through publish, retry and replay,
 and the OpenTelemetry spans, recorded by the SDK's in-memory exporter. No broker: the
 publisher core's ledger and the delivery program are driven by hand (the integration
 test tests/integration/test_observe.py does it through a real broker).

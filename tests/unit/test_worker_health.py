@@ -1,5 +1,5 @@
-"""The worker's health rule (consumer/_health.py), its HTTP endpoints
-(rabbit_delay/endpoints.py) and the JSON log lines (rabbit_delay/logs.py), without a
+"""The worker's health rule (_consumer/health.py), its HTTP endpoints
+(rabbit_delay/_io/endpoints.py) and the JSON log lines (rabbit_delay/_observe/logs.py), without a
 broker. A worker process answering /readyz on a real (and killed) broker is in
 tests/integration/test_worker_health.py.
 """

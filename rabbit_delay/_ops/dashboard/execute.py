@@ -27,9 +27,9 @@ from rabbit_delay._ops.replay.rules import ReplayReport
 from rabbit_delay._ops.status.execute import read_status
 from rabbit_delay._ops.status.rules import Status
 from rabbit_delay._ops.stored import Stored
+from rabbit_delay._sync.connection import connected
 from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import redact
-from rabbit_delay.sync._connection import connected
 
 log = logging.getLogger("rabbit_delay.dashboard")
 NAME = "rabbit-delay dashboard"

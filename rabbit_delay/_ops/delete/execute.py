@@ -15,11 +15,11 @@ from rabbit_delay._ops.delete.rules import DeleteReport, Found, Target, decide, 
 from rabbit_delay._plan.desired import Kind, desired
 from rabbit_delay._plan.diff import PlanItem, retired_shards
 from rabbit_delay._plan.program import probe_retired_shards
+from rabbit_delay._sync.connection import ChannelSlot
+from rabbit_delay._sync.declarer import run_program
+from rabbit_delay._sync.errors import CLIENT_ERRORS, mapped, translate
 from rabbit_delay._topology.model import QueueType, Topology
 from rabbit_delay._urls import ManagementEndpoint
-from rabbit_delay.sync._connection import ChannelSlot
-from rabbit_delay.sync._declarer import run_program
-from rabbit_delay.sync._errors import CLIENT_ERRORS, mapped, translate
 
 # What stops a delete run (reported in DeleteReport.error, never raised).
 _FAILURES: tuple[type[BaseException], ...] = (*CLIENT_ERRORS, RabbitDelayError)

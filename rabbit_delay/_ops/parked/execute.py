@@ -21,8 +21,8 @@ from rabbit_delay._ops.parked.rules import (
 )
 from rabbit_delay._ops.queues import peek, ready_messages
 from rabbit_delay._ops.stored import Stored
+from rabbit_delay._sync.errors import mapped
 from rabbit_delay._topology.model import Topology
-from rabbit_delay.sync._errors import mapped
 
 
 def parked_count(connection: pika.BlockingConnection, topology: Topology, queue: str) -> int:

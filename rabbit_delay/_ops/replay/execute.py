@@ -38,10 +38,10 @@ from rabbit_delay._ops.replay.rules import (
     UnroutableReplay,
 )
 from rabbit_delay._ops.stored import Stored
+from rabbit_delay._sync.errors import CLIENT_ERRORS, translate
+from rabbit_delay._sync.publisher import Publisher
 from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import redact
-from rabbit_delay.sync._errors import CLIENT_ERRORS, translate
-from rabbit_delay.sync._publisher import Publisher
 
 # A dry run lists at most this many messages (it reads them all: see `peek`).
 PREVIEW_MAX = 1000

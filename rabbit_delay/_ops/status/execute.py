@@ -36,10 +36,10 @@ from rabbit_delay._ops.status.rules import (
     status_rows,
 )
 from rabbit_delay._plan.desired import desired
+from rabbit_delay._sync.connection import broker_info, close_quietly, connect_first
+from rabbit_delay._sync.errors import mapped
 from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import ManagementEndpoint, management_endpoint, redact
-from rabbit_delay.sync._connection import broker_info, close_quietly, connect_first
-from rabbit_delay.sync._errors import mapped
 
 
 def _exchange_exists(connection: pika.BlockingConnection, exchange: str) -> bool:

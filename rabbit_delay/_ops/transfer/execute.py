@@ -56,10 +56,10 @@ from rabbit_delay._ops.transfer.rules import (
     skip_reason,
     target_queues,
 )
+from rabbit_delay._sync.connection import broker_info
+from rabbit_delay._sync.errors import CLIENT_ERRORS, mapped, translate
+from rabbit_delay._sync.publisher import Publisher
 from rabbit_delay._urls import redact
-from rabbit_delay.sync._connection import broker_info
-from rabbit_delay.sync._errors import CLIENT_ERRORS, mapped, translate
-from rabbit_delay.sync._publisher import Publisher
 
 __all__ = ["MAX_PASSES", "Progress", "transfer"]
 

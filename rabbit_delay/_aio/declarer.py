@@ -13,12 +13,8 @@ from aio_pika.abc import AbstractChannel as AbstractAioChannel
 from aio_pika.abc import AbstractConnection
 from aiormq.abc import AbstractChannel
 
-from rabbit_delay._plan import program
-from rabbit_delay._plan.desired import ExchangeSpec, Kind, desired
-from rabbit_delay._plan.diff import Observed, Plan
-from rabbit_delay._topology.model import Topology
-from rabbit_delay.aio._connection import broker_info, plain_channel
-from rabbit_delay.aio._errors import (
+from rabbit_delay._aio.connection import broker_info, plain_channel
+from rabbit_delay._aio.errors import (
     CHANNEL_CODES,
     CLIENT_ERRORS,
     CONNECTION_CODES,
@@ -26,6 +22,10 @@ from rabbit_delay.aio._errors import (
     reply_of,
     translate,
 )
+from rabbit_delay._plan import program
+from rabbit_delay._plan.desired import ExchangeSpec, Kind, desired
+from rabbit_delay._plan.diff import Observed, Plan
+from rabbit_delay._topology.model import Topology
 
 T = TypeVar("T")
 

@@ -17,12 +17,12 @@ from typing import Any
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractRobustConnection
 
+from rabbit_delay._aio.errors import CLIENT_ERRORS
 from rabbit_delay._broker import UNKNOWN, BrokerInfo
 from rabbit_delay._connection import ConnectionSettings, query_keys, unavailable_message
 from rabbit_delay._errors import BrokerUnavailable, ConnectionLost
 from rabbit_delay._tls import TLSOptions, split_tls
 from rabbit_delay._urls import redact
-from rabbit_delay.aio._errors import CLIENT_ERRORS
 
 log = logging.getLogger("rabbit_delay._connection")
 

@@ -28,6 +28,8 @@ from aio_pika.abc import AbstractConnection
 from aiormq.abc import AbstractChannel
 from pamqp.commands import Basic
 
+from rabbit_delay._aio.connection import close_quietly, connect_first, plain_channel
+from rabbit_delay._aio.errors import mapped
 from rabbit_delay._connection import ConnectionSettings, failover_order
 from rabbit_delay._envelope import Outgoing
 from rabbit_delay._errors import RabbitDelayError
@@ -49,8 +51,6 @@ from rabbit_delay._publishing.core import (
 )
 from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import redact
-from rabbit_delay.aio._connection import close_quietly, connect_first, plain_channel
-from rabbit_delay.aio._errors import mapped
 
 log = logging.getLogger("rabbit_delay.publisher")
 

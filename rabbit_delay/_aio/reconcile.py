@@ -1,4 +1,4 @@
-"""Reconcilers on aio-pika: the driver of the run program (consumer/_reconcile.py), for
+"""Reconcilers on aio-pika: the driver of the run program (_reconcile.py), for
 the async worker (a task beside the consumers) and `rabbit-delay reconcile`.
 
 An `async def` reconciler runs on the loop with an AsyncPublisher; a plain `def` one runs
@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
+from rabbit_delay._aio.publisher import AsyncPublisher
 from rabbit_delay._consumer.app import App
 from rabbit_delay._consumer.context import clock_ms
 from rabbit_delay._consumer.leases import renew_every_ms
@@ -44,7 +45,6 @@ from rabbit_delay._reconcile import (
     renewal_failed,
     run_claim_lost,
 )
-from rabbit_delay.aio._publisher import AsyncPublisher
 
 log = logging.getLogger("rabbit_delay.reconcile")
 

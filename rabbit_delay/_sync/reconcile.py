@@ -1,4 +1,4 @@
-"""Reconcilers on pika: the driver of the run program (consumer/_reconcile.py), for the
+"""Reconcilers on pika: the driver of the run program (_reconcile.py), for the
 sync worker (a thread of its own beside the consumers) and `rabbit-delay reconcile`.
 
 A run publishes on a connection of its own, opened once the run's claim is won and
@@ -37,7 +37,7 @@ from rabbit_delay._reconcile import (
     renewal_failed,
     run_claim_lost,
 )
-from rabbit_delay.sync._publisher import Publisher
+from rabbit_delay._sync.publisher import Publisher
 
 log = logging.getLogger("rabbit_delay.reconcile")
 

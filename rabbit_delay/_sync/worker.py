@@ -58,12 +58,12 @@ from rabbit_delay._errors import BrokerError, BrokerUnavailable, PublishError, R
 from rabbit_delay._idempotency.guard import Guard
 from rabbit_delay._observe.report import ReportingWorker
 from rabbit_delay._stop_signals import install_stop_signals
+from rabbit_delay._sync.connection import broker_info, close_quietly, connect_first
+from rabbit_delay._sync.declarer import declare as declare_topology
+from rabbit_delay._sync.errors import CLIENT_ERRORS, mapped
+from rabbit_delay._sync.publisher import WORKER_BLOCKED_TIMEOUT_S, Publisher
+from rabbit_delay._sync.reconcile import Reconciling
 from rabbit_delay._urls import redact
-from rabbit_delay.sync._connection import broker_info, close_quietly, connect_first
-from rabbit_delay.sync._declarer import declare as declare_topology
-from rabbit_delay.sync._errors import CLIENT_ERRORS, mapped
-from rabbit_delay.sync._publisher import WORKER_BLOCKED_TIMEOUT_S, Publisher
-from rabbit_delay.sync._reconcile import Reconciling
 
 log = logging.getLogger("rabbit_delay.worker")
 

@@ -12,9 +12,9 @@ import pika.exceptions
 from rabbit_delay._plan import program
 from rabbit_delay._plan.desired import ExchangeSpec, Kind, desired
 from rabbit_delay._plan.diff import Observed, Plan
+from rabbit_delay._sync.connection import ChannelSlot, broker_info
+from rabbit_delay._sync.errors import CLIENT_ERRORS, translate
 from rabbit_delay._topology.model import Topology
-from rabbit_delay.sync._connection import ChannelSlot, broker_info
-from rabbit_delay.sync._errors import CLIENT_ERRORS, translate
 
 T = TypeVar("T")
 

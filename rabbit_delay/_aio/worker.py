@@ -49,6 +49,13 @@ from pamqp.commands import Basic
 
 import rabbit_delay._consumer.delivery as dp
 import rabbit_delay._consumer.lifecycle as lc
+from rabbit_delay._aio.connection import broker_info, close_quietly, connect_first
+from rabbit_delay._aio.declarer import declare as declare_topology
+from rabbit_delay._aio.errors import CLIENT_ERRORS, mapped
+from rabbit_delay._aio.publisher import WORKER_BLOCKED_TIMEOUT_S, AsyncPublisher
+from rabbit_delay._aio.reconcile import AsyncReconciling
+from rabbit_delay._aio.store_batches import StoreBatches
+from rabbit_delay._aio.threads import DaemonThreads
 from rabbit_delay._broker import UNKNOWN, BrokerInfo
 from rabbit_delay._consumer.acks import AckTracker
 from rabbit_delay._consumer.app import Consumer, Transport
@@ -59,13 +66,6 @@ from rabbit_delay._errors import BrokerError, PublishError, RabbitDelayError
 from rabbit_delay._idempotency.guard import AsyncGuard
 from rabbit_delay._observe.report import ReportingWorker
 from rabbit_delay._urls import redact
-from rabbit_delay.aio._connection import broker_info, close_quietly, connect_first
-from rabbit_delay.aio._declarer import declare as declare_topology
-from rabbit_delay.aio._errors import CLIENT_ERRORS, mapped
-from rabbit_delay.aio._publisher import WORKER_BLOCKED_TIMEOUT_S, AsyncPublisher
-from rabbit_delay.aio._reconcile import AsyncReconciling
-from rabbit_delay.aio._store_batches import StoreBatches
-from rabbit_delay.aio._threads import DaemonThreads
 
 log = logging.getLogger("rabbit_delay.worker")
 

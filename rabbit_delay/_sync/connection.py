@@ -15,9 +15,9 @@ from pika.adapters.blocking_connection import BlockingChannel
 from rabbit_delay._broker import BrokerInfo
 from rabbit_delay._connection import ConnectionSettings, query_keys, unavailable_message
 from rabbit_delay._errors import BrokerUnavailable, ConfigError
+from rabbit_delay._sync.errors import CLIENT_ERRORS
 from rabbit_delay._tls import split_tls
 from rabbit_delay._urls import redact
-from rabbit_delay.sync._errors import CLIENT_ERRORS
 
 log = logging.getLogger("rabbit_delay._connection")
 

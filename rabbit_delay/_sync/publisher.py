@@ -45,10 +45,10 @@ from rabbit_delay._publishing.core import (
     PublisherOptions,
     URLs,
 )
+from rabbit_delay._sync.connection import close_quietly, connect_first
+from rabbit_delay._sync.errors import CLIENT_ERRORS, mapped
 from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import redact
-from rabbit_delay.sync._connection import close_quietly, connect_first
-from rabbit_delay.sync._errors import CLIENT_ERRORS, mapped
 
 PERSISTENT = 2
 

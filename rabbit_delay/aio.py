@@ -1,0 +1,13 @@
+"""The asynchronous transport (aio-pika): publisher, worker, connection, declarer.
+
+    from rabbit_delay.aio import AsyncPublisher, AsyncWorker, connect, declare
+
+`AsyncPublisher` and `AsyncWorker` are also exported by `rabbit_delay` itself.
+"""
+
+from rabbit_delay._aio.connection import broker_info, connect
+from rabbit_delay._aio.declarer import declare, plan
+from rabbit_delay._aio.publisher import AsyncPublisher
+from rabbit_delay._aio.worker import AsyncWorker
+
+__all__ = ["AsyncPublisher", "AsyncWorker", "broker_info", "connect", "declare", "plan"]
