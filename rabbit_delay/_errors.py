@@ -284,47 +284,52 @@ def for_publishes(error: RabbitDelayError, message_ids: Sequence[str]) -> Rabbit
 Translate = Callable[..., RabbitDelayError]
 
 
-def translated(
-    exc: BaseException,
-    translate: Translate,
-    *,
-    doing: str,
-    permission: str = "",
-    message_ids: Sequence[str] = (),
-) -> RabbitDelayError:
-    """The project's error for a client's `exc` met while `doing`, by a transport's
-    `translate`; ours pass as they are. With `message_ids` (a publish whose confirms were
-    outstanding), a lost connection or a blocked one names them (`for_publishes`)."""
-    if isinstance(exc, RabbitDelayError):
-        return exc
-    error = translate(exc, doing=doing, permission=permission, message_ids=message_ids)
-    return for_publishes(error, message_ids)
+class ExceptionMap:
+    """A transport's exception map: every exception of its client library that a public
+    call can meet (`client_errors`, and any that `also` accepts) becomes a class of this
+    tree, by the transport's `rules`; ours pass as they are. With `message_ids` (a
+    publish whose confirms were outstanding), a lost or blocked connection names them
+    (`for_publishes`)."""
 
+    def __init__(
+        self,
+        rules: Translate,
+        client_errors: tuple[type[BaseException], ...],
+        also: Callable[[BaseException], bool] = lambda exc: False,
+    ) -> None:
+        self._rules = rules
+        self.client_errors = client_errors
+        self._also = also
 
-@contextmanager
-def mapped_by(
-    translate: Translate,
-    client_errors: tuple[type[BaseException], ...],
-    doing: str,
-    *,
-    permission: str = "",
-    message_ids: Sequence[str] = (),
-    also: Callable[[BaseException], bool] = lambda exc: False,
-) -> Iterator[None]:
-    """A block of client calls whose exceptions (`client_errors`, or any that `also`
-    accepts) leave it as the project's error, chained nowhere: the client's traceback
-    adds nothing for the user."""
-    try:
-        yield
-    except RabbitDelayError:
-        raise
-    except Exception as exc:
-        if not isinstance(exc, client_errors) and not also(exc):
+    def translate(
+        self,
+        exc: BaseException,
+        *,
+        doing: str,
+        permission: str = "",
+        message_ids: Sequence[str] = (),
+    ) -> RabbitDelayError:
+        """The project's error for `exc`, met while `doing` (e.g. "publishing")."""
+        if isinstance(exc, RabbitDelayError):
+            return exc
+        error = self._rules(exc, doing=doing, permission=permission, message_ids=message_ids)
+        return for_publishes(error, message_ids)
+
+    @contextmanager
+    def mapped(
+        self, doing: str, *, permission: str = "", message_ids: Sequence[str] = ()
+    ) -> Iterator[None]:
+        """A block of client calls whose exceptions leave it as the project's error,
+        chained nowhere: the client's traceback adds nothing for the user."""
+        try:
+            yield
+        except RabbitDelayError:
             raise
-        error = translated(
-            exc, translate, doing=doing, permission=permission, message_ids=message_ids
-        )
-        raise error from None
+        except Exception as exc:
+            if not isinstance(exc, self.client_errors) and not self._also(exc):
+                raise
+            error = self.translate(exc, doing=doing, permission=permission, message_ids=message_ids)
+            raise error from None
 
 
 def login_refused(doing: str) -> BrokerUnavailable:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 
 import aio_pika.exceptions
 import aiormq.exceptions
@@ -72,20 +71,6 @@ def is_closed_error(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(w in text for w in _CLOSED_WORDS)
 
 
-def translate(
-    exc: BaseException,
-    *,
-    doing: str,
-    permission: str = "",
-    message_ids: Sequence[str] = (),
-) -> errors.RabbitDelayError:
-    """The project's error for `exc`, raised by aio-pika/aiormq (or the socket) while
-    `doing` (`rabbit_delay._errors.translated`)."""
-    return errors.translated(
-        exc, _translate, doing=doing, permission=permission, message_ids=message_ids
-    )
-
-
 def _translate(
     exc: BaseException, *, doing: str, permission: str, message_ids: Sequence[str]
 ) -> errors.RabbitDelayError:
@@ -132,17 +117,8 @@ def _describe(exc: BaseException) -> str:
     return redact(f"{type(exc).__name__}: {text}")
 
 
-def mapped(
-    doing: str, *, permission: str = "", message_ids: Sequence[str] = ()
-) -> AbstractContextManager[None]:
-    """Run a block of awaits on aio-pika; a client exception (or the RuntimeError of a
-    closed connection) leaves it as the project's error. (A plain context manager works
-    around `await`s inside an `async def`.)"""
-    return errors.mapped_by(
-        translate,
-        CLIENT_ERRORS,
-        doing,
-        permission=permission,
-        message_ids=message_ids,
-        also=is_closed_error,
-    )
+# The map itself (rabbit_delay._errors.ExceptionMap): `translate(exc, doing=...)` and
+# `with mapped(doing):`, the only two things the rest of the transport calls.
+_MAP = errors.ExceptionMap(_translate, CLIENT_ERRORS, also=is_closed_error)
+translate = _MAP.translate
+mapped = _MAP.mapped

@@ -11,7 +11,6 @@ from __future__ import annotations
 import socket
 import ssl
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 
 import pika.exceptions
 
@@ -37,20 +36,6 @@ _LOST: tuple[type[BaseException], ...] = (
     OSError,
     EOFError,
 )
-
-
-def translate(
-    exc: BaseException,
-    *,
-    doing: str,
-    permission: str = "",
-    message_ids: Sequence[str] = (),
-) -> errors.RabbitDelayError:
-    """The project's error for `exc`, raised by pika (or the socket) while `doing`
-    (`rabbit_delay._errors.translated`)."""
-    return errors.translated(
-        exc, _translate, doing=doing, permission=permission, message_ids=message_ids
-    )
 
 
 def _translate(
@@ -101,10 +86,8 @@ def _describe(exc: BaseException) -> str:
     return redact(f"{type(exc).__name__}: {text}")
 
 
-def mapped(
-    doing: str, *, permission: str = "", message_ids: Sequence[str] = ()
-) -> AbstractContextManager[None]:
-    """Run a block of pika calls; a client exception leaves it as the project's error."""
-    return errors.mapped_by(
-        translate, CLIENT_ERRORS, doing, permission=permission, message_ids=message_ids
-    )
+# The map itself (rabbit_delay._errors.ExceptionMap): `translate(exc, doing=...)` and
+# `with mapped(doing):`, the only two things the rest of the transport calls.
+_MAP = errors.ExceptionMap(_translate, CLIENT_ERRORS)
+translate = _MAP.translate
+mapped = _MAP.mapped
