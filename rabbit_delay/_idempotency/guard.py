@@ -11,6 +11,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from rabbit_delay._envelope import now_ms as wall_clock_ms
 from rabbit_delay._errors import ConfigError
+from rabbit_delay._schedule.book import SyncBookAsAsync
+from rabbit_delay._schedule.records import Ref, Update, Verdict
 
 DEFAULT_PREFIX = "rabbit-delay:"
 
@@ -20,6 +22,10 @@ Clock = Callable[[], int]
 # completes the key and False releases the claim.
 ClaimItem = tuple[str, str]
 FinishItem = tuple[str, str, bool]
+# The same with the delivery's schedule reference / the schedule update of its result
+# (None: a delivery the schedule does not know), for a store that keeps a schedule.
+ScheduledClaim = tuple[str, str, Ref | None]
+ScheduledFinish = tuple[str, str, bool, Update | None]
 
 
 class ClaimResult(StrEnum):
@@ -28,7 +34,16 @@ class ClaimResult(StrEnum):
     CLAIMED = "claimed"  # run the handler
     DONE = "done"  # already handled: ack and skip
     IN_PROGRESS = "in_progress"  # another owner holds a live lease: do not run it now
-    CANCELLED = "cancelled"  # a tombstone: ack and drop
+    CANCELLED = "cancelled"  # a tombstone, or its schedule generation was cancelled: ack and drop
+    SUPERSEDED = "superseded"  # a newer generation of its schedule key replaced it: ack and drop
+
+
+# What the schedule's verdict on a delivery makes of its claim.
+VERDICT_RESULT = {
+    Verdict.SUPERSEDED: ClaimResult.SUPERSEDED,
+    Verdict.CANCELLED: ClaimResult.CANCELLED,
+    Verdict.HANDLED: ClaimResult.DONE,
+}
 
 
 class IdempotencyStore(Protocol):
@@ -130,10 +145,51 @@ class AsyncIdempotencyStore(Protocol):
     async def close(self) -> None: ...
 
 
+class SchedulingStore(Protocol):
+    """A store that also keeps a schedule (`rabbit_delay._schedule.book`): a worker's
+    claims and finishes go with their schedule checks and updates."""
+
+    def scheduled_batch(
+        self,
+        finishes: Sequence[ScheduledFinish],
+        claims: Sequence[ScheduledClaim],
+        *,
+        now_ms: int,
+        lease_ms: int,
+        retention_ms: int,
+    ) -> tuple[list[Exception | None], list[ClaimResult | Exception]]:
+        """The finishes, then the claims, in one transaction or round trip.
+
+        A claim with a Ref first asks the schedule (`rules.check`): a superseded or
+        cancelled generation is not claimed (SUPERSEDED / CANCELLED, and the record
+        counts the dropped copy), a handled one answers DONE; otherwise the key is
+        claimed as by `claim`. A finish with an Update writes it (`rules.finish`) with
+        the complete or release. Errors go into slots like `claim_many`'s.
+        """
+        ...
+
+
+class AsyncSchedulingStore(Protocol):
+    async def scheduled_batch(
+        self,
+        finishes: Sequence[ScheduledFinish],
+        claims: Sequence[ScheduledClaim],
+        *,
+        now_ms: int,
+        lease_ms: int,
+        retention_ms: int,
+    ) -> tuple[list[Exception | None], list[ClaimResult | Exception]]: ...
+
+
+def keeps_schedule(store: object) -> bool:
+    """True for a store with a schedule (`schedule` and `scheduled_batch`)."""
+    return getattr(store, "schedule", None) is not None and hasattr(store, "scheduled_batch")
+
+
 AnyStore = IdempotencyStore | AsyncIdempotencyStore
 _T = TypeVar("_T")
 _R = TypeVar("_R")
-_Item = TypeVar("_Item", ClaimItem, FinishItem)
+_Item = TypeVar("_Item", ClaimItem, FinishItem, ScheduledClaim, ScheduledFinish)
 _Store = TypeVar("_Store", bound=AnyStore)
 
 
@@ -314,6 +370,29 @@ class SyncStoreAsAsync:
     async def close(self) -> None:
         self.store.close()
 
+    @property
+    def schedule(self) -> SyncBookAsAsync | None:
+        """The wrapped store's schedule, if it keeps one (its book called directly)."""
+        book = getattr(self.store, "schedule", None)
+        return None if book is None else SyncBookAsAsync(book)
+
+    async def scheduled_batch(
+        self,
+        finishes: Sequence[ScheduledFinish],
+        claims: Sequence[ScheduledClaim],
+        *,
+        now_ms: int,
+        lease_ms: int,
+        retention_ms: int,
+    ) -> tuple[list[Exception | None], list[ClaimResult | Exception]]:
+        batch = getattr(self.store, "scheduled_batch", None)
+        if batch is None:
+            raise ConfigError(f"the store {type(self.store).__name__} keeps no schedule")
+        result: tuple[list[Exception | None], list[ClaimResult | Exception]] = batch(
+            finishes, claims, now_ms=now_ms, lease_ms=lease_ms, retention_ms=retention_ms
+        )
+        return result
+
 
 @dataclass
 class GuardStats:
@@ -323,6 +402,7 @@ class GuardStats:
     duplicates_skipped: int = 0  # DONE: a redelivery or duplicate publish of a handled message
     in_progress_deferred: int = 0  # IN_PROGRESS: a copy is being handled elsewhere
     cancelled_dropped: int = 0  # CANCELLED: a tombstone stopped the handler
+    superseded_dropped: int = 0  # SUPERSEDED: a newer generation of its key replaced it
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -333,6 +413,7 @@ _COUNTER = {
     ClaimResult.DONE: "duplicates_skipped",
     ClaimResult.IN_PROGRESS: "in_progress_deferred",
     ClaimResult.CANCELLED: "cancelled_dropped",
+    ClaimResult.SUPERSEDED: "superseded_dropped",
 }
 
 
@@ -488,6 +569,27 @@ class Guard(_GuardBase[IdempotencyStore]):
         self._count_all(claimed)
         return done_slots.fill(finished), claim_slots.fill(claimed)
 
+    def scheduled_batch(
+        self, finishes: Sequence[ScheduledFinish], claims: Sequence[ScheduledClaim]
+    ) -> tuple[list[Exception | None], list[ClaimResult | Exception]]:
+        """Finishes and claims with their schedule updates and checks, in one store
+        transaction or round trip (`SchedulingStore.scheduled_batch`); counted like
+        `claim_many`. Never raises."""
+        done_slots, claim_slots = _Slots(finishes), _Slots(claims)
+        try:
+            finished, claimed = self.store.scheduled_batch(  # type: ignore[attr-defined]
+                done_slots.valid,
+                claim_slots.valid,
+                now_ms=self.clock(),
+                lease_ms=self.lease_ms,
+                retention_ms=self.retention_ms,
+            )
+        except Exception as exc:
+            finished = [exc] * len(done_slots.valid)
+            claimed = [exc] * len(claim_slots.valid)
+        self._count_all(claimed)
+        return done_slots.fill(finished), claim_slots.fill(claimed)
+
     def done(self, key: str, owner: str) -> None:
         """The handler succeeded: keep `key` as done for the retention period."""
         self.store.complete(key, owner, now_ms=self.clock(), retention_ms=self.retention_ms)
@@ -547,6 +649,25 @@ class AsyncGuard(_GuardBase[AsyncIdempotencyStore]):
             )
         )
         return slots.fill(results)
+
+    async def scheduled_batch(
+        self, finishes: Sequence[ScheduledFinish], claims: Sequence[ScheduledClaim]
+    ) -> tuple[list[Exception | None], list[ClaimResult | Exception]]:
+        """See `Guard.scheduled_batch`. Never raises."""
+        done_slots, claim_slots = _Slots(finishes), _Slots(claims)
+        try:
+            finished, claimed = await self.store.scheduled_batch(  # type: ignore[attr-defined]
+                done_slots.valid,
+                claim_slots.valid,
+                now_ms=self.clock(),
+                lease_ms=self.lease_ms,
+                retention_ms=self.retention_ms,
+            )
+        except Exception as exc:
+            finished = [exc] * len(done_slots.valid)
+            claimed = [exc] * len(claim_slots.valid)
+        self._count_all(claimed)
+        return done_slots.fill(finished), claim_slots.fill(claimed)
 
     async def done(self, key: str, owner: str) -> None:
         await self.store.complete(key, owner, now_ms=self.clock(), retention_ms=self.retention_ms)

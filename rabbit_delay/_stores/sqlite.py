@@ -24,8 +24,25 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rabbit_delay._errors import ConfigError
-from rabbit_delay._idempotency.guard import DEFAULT_PREFIX, ClaimItem, ClaimResult, FinishItem
+from rabbit_delay._idempotency.guard import (
+    DEFAULT_PREFIX,
+    VERDICT_RESULT,
+    ClaimItem,
+    ClaimResult,
+    FinishItem,
+    ScheduledClaim,
+    ScheduledFinish,
+)
 from rabbit_delay._io.sql import check_table_name, is_busy, require_sqlite_transaction
+from rabbit_delay._schedule.book import SweptItem, SyncBookAsAsync
+from rabbit_delay._schedule.records import (
+    Entry,
+    Placed,
+    Query,
+    ScheduleRecord,
+    ScheduleState,
+)
+from rabbit_delay._stores.sql_schedule import SQLITE, Program, SQLSchedule, run_sync
 
 T = TypeVar("T")
 
@@ -175,6 +192,9 @@ class SQLiteStore:
             _use_wal(self._conn, busy_timeout_s)
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.execute(_SCHEMA.format(t=table))
+            self._sql_schedule = SQLSchedule(check_table_name(f"{table}_schedule"), SQLITE)
+            for statement in self._sql_schedule.schema():
+                self._conn.execute(statement)
         except BaseException:
             self._conn.close()
             raise
@@ -187,6 +207,7 @@ class SQLiteStore:
         self._purge_slice_sql = _PURGE_SLICE_END.format(t=table)
         self._purge_sql = _PURGE.format(t=table)
         self._rows_sql: dict[tuple[str, int], str] = {}
+        self.schedule = SQLiteSchedule(self)
 
     # -- IdempotencyStore --------------------------------------------------------------
 
@@ -296,6 +317,80 @@ class SQLiteStore:
             self.claim_many(claims, now_ms=now_ms, lease_ms=lease_ms),
         )
 
+    def scheduled_batch(
+        self,
+        finishes: Sequence[ScheduledFinish],
+        claims: Sequence[ScheduledClaim],
+        *,
+        now_ms: int,
+        lease_ms: int,
+        retention_ms: int,
+    ) -> tuple[list[Exception | None], list[ClaimResult | Exception]]:
+        """See `SchedulingStore.scheduled_batch`: one transaction. The finishes are
+        written as by `finish_many`, their schedule updates one statement per kind; the
+        schedule is read for every claim's ref at once, and the claims it does not
+        answer go to one multi-row claim."""
+        schedule = self._sql_schedule
+
+        def both() -> tuple[list[Exception | None], list[ClaimResult | Exception]]:
+            cursor = self._conn.cursor()
+            finished: list[Exception | None] = [None] * len(finishes)
+            if finishes:
+                self._finish_rows([f[:3] for f in finishes], now_ms, retention_ms)
+                updates = [f[3] for f in finishes if f[3] is not None]
+                if updates:
+                    run_sync(cursor, schedule.finish(updates, now_ms))
+            claimed: list[ClaimResult | Exception] = [ClaimResult.CLAIMED] * len(claims)
+            refs = [(i, c[2]) for i, c in enumerate(claims) if c[2] is not None]
+            verdicts = run_sync(cursor, schedule.check([r for _, r in refs], now_ms))
+            answered = set()
+            for (i, _), verdict in zip(refs, verdicts, strict=True):
+                if verdict is not None:
+                    claimed[i] = VERDICT_RESULT[verdict]
+                    answered.add(i)
+            rest = [i for i in range(len(claims)) if i not in answered]
+            if rest:
+                if lease_ms > 0:
+                    results = self._claim_rows([claims[i][:2] for i in rest], now_ms, lease_ms)
+                else:
+                    results = [self._claim(*claims[i][:2], now_ms, lease_ms) for i in rest]
+                for i, result in zip(rest, results, strict=True):
+                    claimed[i] = result
+            return finished, claimed
+
+        with self._lock:
+            self._set_wait(True)
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                return [exc] * len(finishes), [exc] * len(claims)
+            try:
+                done = both()
+                self._conn.execute("COMMIT")
+                return done
+            except sqlite3.Error as exc:
+                return [exc] * len(finishes), [exc] * len(claims)
+            finally:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+
+    def run_schedule(self, program: Program[T], *, write: bool) -> T:
+        """Run a schedule program (`SQLSchedule`) in a transaction of its own (BEGIN
+        IMMEDIATE when it writes). Raises `sqlite3.Error`."""
+        with self._lock:
+            self._set_wait(True)
+            cursor = self._conn.cursor()
+            if not write:
+                return run_sync(cursor, program)
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                result = run_sync(cursor, program)
+                self._conn.execute("COMMIT")
+                return result
+            finally:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+
     def _run_items(self, ops: Sequence[Callable[[], Any]]) -> list[Any]:
         try:
             return self.run_batch(ops, wait=True)
@@ -340,8 +435,8 @@ class SQLiteStore:
 
     def purge(self, *, now_ms: int) -> int:
         """See `IdempotencyStore.purge`: every expired row of the table, whatever its
-        prefix. Raises `sqlite3.Error`."""
-        total = 0
+        prefix, and every expired schedule record. Raises `sqlite3.Error`."""
+        total = self.schedule.purge(now_ms=now_ms)
         low = ""  # every key sorts after the empty string
         while True:
             # The lock is taken per slice so claims from other threads interleave.
@@ -587,6 +682,55 @@ class SQLiteStore:
         self._conn.execute(self._cancel_sql, (self.prefix + key, now_ms + retention_ms))
 
 
+class SQLiteSchedule:
+    """The SQLite store's schedule (`ScheduleBook`): table `<table>_schedule` in the
+    same file, each operation a transaction of its own."""
+
+    def __init__(self, store: SQLiteStore) -> None:
+        self._store = store
+        self._sql = store._sql_schedule
+
+    def place_many(self, entries: Sequence[Entry], *, now_ms: int) -> list[Placed]:
+        return self._store.run_schedule(self._sql.place_many(entries, now_ms), write=True)
+
+    def lookup(self, scope: str, key: str) -> ScheduleRecord | None:
+        return self._store.run_schedule(self._sql.lookup(scope, key), write=False)
+
+    def select(self, query: Query) -> list[ScheduleRecord]:
+        return self._store.run_schedule(self._sql.select(query), write=False)
+
+    def cancel(
+        self, scope: str, key: str, *, now_ms: int, hold_ms: int
+    ) -> tuple[ScheduleState | None, ScheduleRecord | None]:
+        return self._store.run_schedule(self._sql.cancel(scope, key, now_ms, hold_ms), write=True)
+
+    def reschedule(
+        self, scope: str, key: str, *, due_ms: int, message_id: str, now_ms: int, sweep_ms: int
+    ) -> tuple[ScheduleState | None, ScheduleRecord | None]:
+        program = self._sql.reschedule(scope, key, due_ms, message_id, now_ms, sweep_ms)
+        return self._store.run_schedule(program, write=True)
+
+    def overdue(self, scope: str, *, now_ms: int, limit: int) -> list[ScheduleRecord]:
+        return self._store.run_schedule(self._sql.overdue(scope, now_ms, limit), write=False)
+
+    def swept(self, scope: str, items: Sequence[SweptItem], *, now_ms: int) -> None:
+        self._store.run_schedule(self._sql.swept(scope, items, now_ms), write=True)
+
+    def lateness(self, scope: str, *, since_ms: int, sample: int) -> int | None:
+        return self._store.run_schedule(self._sql.lateness(scope, since_ms, sample), write=False)
+
+    def count_due(self, scope: str, queue: str | None, edges: Sequence[int]) -> list[int]:
+        return self._store.run_schedule(self._sql.count_due(scope, queue, edges), write=False)
+
+    def purge(self, *, now_ms: int) -> int:
+        total = 0
+        while True:
+            n = self._store.run_schedule(self._sql.purge(now_ms, _PURGE_SLICE), write=True)
+            total += n
+            if n < _PURGE_SLICE:
+                return total
+
+
 _Batch = list[tuple[Callable[[], Any], asyncio.Future[Any]]]
 
 
@@ -659,6 +803,32 @@ class AsyncSQLiteStore:
         """See `SQLiteStore.purge` (sliced; it waits for the lock). Raises `sqlite3.Error`."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, partial(self.store.purge, now_ms=now_ms))
+
+    @property
+    def schedule(self) -> SyncBookAsAsync:
+        """The store's schedule, each operation on this store's thread."""
+        return SyncBookAsAsync(self.store.schedule, self._executor)
+
+    async def scheduled_batch(
+        self,
+        finishes: Sequence[ScheduledFinish],
+        claims: Sequence[ScheduledClaim],
+        *,
+        now_ms: int,
+        lease_ms: int,
+        retention_ms: int,
+    ) -> tuple[list[Exception | None], list[ClaimResult | Exception]]:
+        """See `SQLiteStore.scheduled_batch`, on this store's thread."""
+        loop = asyncio.get_running_loop()
+        run = partial(
+            self.store.scheduled_batch,
+            finishes,
+            claims,
+            now_ms=now_ms,
+            lease_ms=lease_ms,
+            retention_ms=retention_ms,
+        )
+        return await loop.run_in_executor(self._executor, run)
 
     async def close(self) -> None:
         """Run what is pending, then close the file."""

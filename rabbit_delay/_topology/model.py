@@ -272,6 +272,33 @@ class IdempotencyConfig(_Model):
         return os.path.abspath(os.path.join(base if base is not None else os.getcwd(), value))
 
 
+DEFAULT_SCHEDULE_GRACE_MS = 60_000
+DEFAULT_SWEEP_EVERY_MS = 60_000
+DEFAULT_SWEEP_BATCH = 1_000
+
+
+class ScheduleConfig(_Model):
+    """`[schedule]`: every delayed publish is recorded by key in the idempotency store
+    (state, queue, due time, generation), so it can be looked up, listed, cancelled and
+    rescheduled, and the workers' sweeper republishes what should have fired and did
+    not (docs/schedule.md).
+
+    `on_conflict` is what a publish does to a key that is still scheduled: "replace"
+    (the default: the next generation wins) or "keep" (publish nothing). `grace` is how
+    long past its due time a record may stay scheduled before the sweeper republishes
+    it (more while the workers are running late: see docs/schedule.md#the-sweeper);
+    `sweep_every` how often the workers look; `sweep_batch` the most records one sweep
+    republishes. `retention` keeps finished records (handled, cancelled, parked) this
+    long (default: the idempotency retention).
+    """
+
+    on_conflict: Literal["replace", "keep"] = "replace"
+    grace: Duration = Field(default=DEFAULT_SCHEDULE_GRACE_MS, gt=0)
+    sweep_every: Duration = Field(default=DEFAULT_SWEEP_EVERY_MS, ge=100)
+    sweep_batch: int = Field(default=DEFAULT_SWEEP_BATCH, ge=1, le=100_000)
+    retention: Duration | None = Field(default=None, gt=0)
+
+
 class Topology(_Model):
     """One namespace of delay tiers and business queues."""
 
@@ -284,6 +311,7 @@ class Topology(_Model):
     plugin: PluginConfig | None = None
     scaling: ScalingConfig = ScalingConfig()
     idempotency: IdempotencyConfig = Field(default_factory=IdempotencyConfig)
+    schedule: ScheduleConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -384,6 +412,39 @@ class Topology(_Model):
         """Retry n waits tiers[n-1] (the last repeats); default: the shortest accepted tier."""
         cfg = self.queues[queue]
         return cfg.retry.tiers or (self.shortest_tier(queue),)
+
+    def retry_delay_ms(self, queue: str, retry_number: int) -> int:
+        """How long retry `retry_number` (1 = first) of `queue` waits."""
+        retry = self.queues[queue].retry
+        if retry.backend is RetryBackend.BROKER:
+            return retry.broker_delay_ms(retry_number)
+        if retry.backoff is not None:
+            return retry.backoff.delay_ms(retry_number)
+        tiers = self.retry_tiers(queue)
+        return self.tiers[tiers[min(retry_number, len(tiers)) - 1]]
+
+    def retry_span_ms(self, queue: str) -> int:
+        """The longest a message of `queue` can spend in its retries' delays: every retry
+        up to `max_attempts` (handler time and lateness not included)."""
+        retries = self.queues[queue].retry.max_attempts - 1
+        return sum(self.retry_delay_ms(queue, n) for n in range(1, retries + 1))
+
+    def longest_delay_ms(self) -> int:
+        """The longest delay a publish can ask of this topology: the longest tier, or the
+        cascade's or the plugin's maximum."""
+        longest = max(self.tiers.values())
+        if self.cascade is not None:
+            longest = max(longest, self.cascade.max_delay_ms)
+        if self.plugin is not None:
+            longest = max(longest, MAX_TTL_MS)
+        return longest
+
+    def schedule_retention_ms(self) -> int:
+        """How long finished schedule records are kept."""
+        cfg = self.schedule
+        if cfg is not None and cfg.retention is not None:
+            return cfg.retention
+        return self.idempotency.retention
 
 
 # -- loading ----------------------------------------------------------------------------

@@ -1,0 +1,456 @@
+"""The schedule in SQL, written once for SQLite and PostgreSQL: the table, and every
+operation as a program of statements (sans-I/O, like the worker's programs).
+
+A program yields `Sql` statements and is sent back what each returned (rows, one row,
+or a row count); `run_sync` executes it on a DB-API cursor, `run_async` on psycopg's
+async cursor. The store around it opens the transaction: SQLite's BEGIN IMMEDIATE takes
+the write lock first, so read-then-write is atomic there; on PostgreSQL every write is a
+compare-and-set on the generation and state read before (`place`, `cancel`,
+`reschedule`), tried again when another transaction changed the row in between, so
+READ COMMITTED is enough.
+
+The rules themselves are in `rabbit_delay._schedule.rules`; the statements here apply
+them, and the store contract tests hold them to the memory store's answers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from rabbit_delay._schedule import rules
+from rabbit_delay._schedule.book import SweptItem
+from rabbit_delay._schedule.records import (
+    MAX_PAGE,
+    Entry,
+    Finished,
+    Payload,
+    Placed,
+    Placement,
+    Query,
+    Ref,
+    ScheduleRecord,
+    ScheduleState,
+    Update,
+    Verdict,
+)
+
+T = TypeVar("T")
+Fetch = Literal["none", "one", "all", "rowcount"]
+# A compare-and-set that lost to another writer is tried again this many times.
+_CAS_ATTEMPTS = 20
+# Rows per statement when many keys are read at once (SQLite before 3.32: 999 parameters).
+_KEYS_PER_READ = 400
+
+
+@dataclass(frozen=True, slots=True)
+class Sql:
+    text: str
+    params: Sequence[Any] = ()
+    fetch: Fetch = "none"
+    many: bool = False  # params is a sequence of parameter rows (executemany)
+
+
+Program = Generator[Sql, Any, T]
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """What differs between the two databases: the parameter marker, the column types."""
+
+    name: str
+    marker: str  # "?" (sqlite3) or "%s" (psycopg)
+    int_type: str  # 64-bit milliseconds
+    blob_type: str
+
+    def sql(self, text: str) -> str:
+        return text if self.marker == "?" else text.replace("?", self.marker)
+
+
+SQLITE = Dialect("sqlite", "?", "INTEGER", "BLOB")
+POSTGRES = Dialect("postgres", "%s", "BIGINT", "BYTEA")
+
+_COLUMNS = (
+    "scope, key, generation, state, queue, due_ms, message_id, created_ms, updated_ms, "
+    "attempts, last_error, expires_ms, sweep_ms, replaced, dropped, republished"
+)
+_PAYLOAD = "body, content_type, headers"
+
+
+def schema(table: str, dialect: Dialect) -> list[str]:
+    """The statements that create the table and its indexes (idempotent).
+
+    Indexes: the primary key (scope, key) for look-ups, claims and updates; (scope,
+    due_ms, key) and (scope, queue, due_ms, key) for pages in due order; partial ones
+    for the sweeper (scheduled records by sweep time), the purge (finished records by
+    expiry) and the lateness sample (handled records by time)."""
+    i, b = dialect.int_type, dialect.blob_type
+    return [
+        f"""CREATE TABLE IF NOT EXISTS {table} (
+    scope TEXT NOT NULL,
+    key TEXT NOT NULL,
+    generation {i} NOT NULL,
+    state TEXT NOT NULL,
+    queue TEXT NOT NULL,
+    due_ms {i} NOT NULL,
+    message_id TEXT NOT NULL,
+    created_ms {i} NOT NULL,
+    updated_ms {i} NOT NULL,
+    attempts {i} NOT NULL DEFAULT 0,
+    last_error TEXT,
+    expires_ms {i},
+    sweep_ms {i},
+    replaced {i} NOT NULL DEFAULT 0,
+    dropped {i} NOT NULL DEFAULT 0,
+    republished {i} NOT NULL DEFAULT 0,
+    body {b},
+    content_type TEXT,
+    headers TEXT,
+    PRIMARY KEY (scope, key)
+)""",
+        f"CREATE INDEX IF NOT EXISTS {table}_due ON {table} (scope, due_ms, key)",
+        f"CREATE INDEX IF NOT EXISTS {table}_queue ON {table} (scope, queue, due_ms, key)",
+        f"CREATE INDEX IF NOT EXISTS {table}_sweep ON {table} (scope, sweep_ms) "
+        "WHERE sweep_ms IS NOT NULL",
+        f"CREATE INDEX IF NOT EXISTS {table}_expires ON {table} (expires_ms) "
+        "WHERE expires_ms IS NOT NULL",
+        f"CREATE INDEX IF NOT EXISTS {table}_handled ON {table} (scope, updated_ms) "
+        "WHERE state = 'handled'",
+    ]
+
+
+def _record(row: Sequence[Any], with_payload: bool) -> ScheduleRecord:
+    payload = None
+    if with_payload and len(row) > 16 and row[16] is not None:
+        headers = json.loads(row[18]) if row[18] else {}
+        payload = Payload(bytes(row[16]), row[17] or "application/octet-stream", headers)
+    return ScheduleRecord(
+        scope=row[0],
+        key=row[1],
+        generation=int(row[2]),
+        state=ScheduleState(row[3]),
+        queue=row[4],
+        due_ms=int(row[5]),
+        message_id=row[6],
+        created_ms=int(row[7]),
+        updated_ms=int(row[8]),
+        attempts=int(row[9]),
+        last_error=row[10],
+        expires_ms=None if row[11] is None else int(row[11]),
+        sweep_ms=None if row[12] is None else int(row[12]),
+        replaced=int(row[13]),
+        dropped=int(row[14]),
+        republished=int(row[15]),
+        payload=payload,
+    )
+
+
+def _row(record: ScheduleRecord) -> tuple[Any, ...]:
+    payload = record.payload
+    return (
+        record.scope,
+        record.key,
+        record.generation,
+        record.state.value,
+        record.queue,
+        record.due_ms,
+        record.message_id,
+        record.created_ms,
+        record.updated_ms,
+        record.attempts,
+        record.last_error,
+        record.expires_ms,
+        record.sweep_ms,
+        record.replaced,
+        record.dropped,
+        record.republished,
+        None if payload is None else payload.body,
+        None if payload is None else payload.content_type,
+        None if payload is None else json.dumps(dict(payload.headers), separators=(",", ":")),
+    )
+
+
+class SQLSchedule:
+    """The statements of one schedule table, as programs (see the module docstring)."""
+
+    def __init__(self, table: str, dialect: Dialect) -> None:
+        self.table = table
+        self.dialect = dialect
+        t, q = table, dialect.sql
+        self._get = q(f"SELECT {_COLUMNS}, {_PAYLOAD} FROM {t} WHERE scope = ? AND key = ?")
+        self._get_for_update = self._get + (" FOR UPDATE" if dialect.name == "postgres" else "")
+        marks = ", ".join(["?"] * 19)
+        self._insert = q(
+            f"INSERT INTO {t} ({_COLUMNS}, {_PAYLOAD}) VALUES ({marks}) "
+            "ON CONFLICT (scope, key) DO NOTHING"
+        )
+        sets = ", ".join(f"{c.strip()} = ?" for c in (_COLUMNS + ", " + _PAYLOAD).split(",")[2:])
+        # compare-and-set: the row is still the generation and state read before
+        self._cas = q(
+            f"UPDATE {t} SET {sets} WHERE scope = ? AND key = ? AND generation = ? AND state = ?"
+        )
+        self._check = f"SELECT key, generation, state FROM {t} WHERE scope = ? AND key IN "
+        self._dropped = q(
+            f"UPDATE {t} SET dropped = dropped + 1, updated_ms = ? WHERE scope = ? AND key = ?"
+        )
+        live = "WHERE scope = ? AND key = ? AND generation = ? AND state IN ('scheduled', 'parked')"
+        self._handled = q(
+            f"UPDATE {t} SET state = 'handled', updated_ms = ?, expires_ms = ?, sweep_ms = NULL "
+            + live
+        )
+        self._parked = q(
+            f"UPDATE {t} SET state = 'parked', attempts = attempts + 1, last_error = ?, "
+            "updated_ms = ?, expires_ms = ?, sweep_ms = NULL " + live
+        )
+        self._retry = q(
+            f"UPDATE {t} SET state = 'scheduled', attempts = attempts + 1, last_error = ?, "
+            "due_ms = ?, updated_ms = ?, expires_ms = NULL, sweep_ms = ? " + live
+        )
+        self._swept = q(
+            f"UPDATE {t} SET republished = republished + 1, sweep_ms = ?, updated_ms = ? "
+            "WHERE scope = ? AND key = ? AND generation = ? AND state = 'scheduled'"
+        )
+        self._overdue = q(
+            f"SELECT {_COLUMNS}, {_PAYLOAD} FROM {t} WHERE scope = ? AND sweep_ms IS NOT NULL "
+            "AND sweep_ms <= ? ORDER BY sweep_ms, key LIMIT ?"
+        )
+        self._lateness = q(
+            f"SELECT max(updated_ms - due_ms) FROM (SELECT updated_ms, due_ms FROM {t} "
+            "WHERE scope = ? AND state = 'handled' AND updated_ms >= ? "
+            "ORDER BY updated_ms DESC LIMIT ?) recent"
+        )
+        self._count = q(
+            f"SELECT count(*) FROM {t} WHERE scope = ? AND due_ms >= ? AND due_ms < ? "
+            "AND state = 'scheduled'"
+        )
+        self._count_queue = q(
+            f"SELECT count(*) FROM {t} WHERE scope = ? AND queue = ? AND due_ms >= ? "
+            "AND due_ms < ? AND state = 'scheduled'"
+        )
+        self._purge = q(
+            f"DELETE FROM {t} WHERE expires_ms IS NOT NULL AND expires_ms <= ? AND key IN "
+            f"(SELECT key FROM {t} WHERE expires_ms IS NOT NULL AND expires_ms <= ? LIMIT ?)"
+        )
+
+    def schema(self) -> list[str]:
+        return schema(self.table, self.dialect)
+
+    # -- the worker's side: inside the store's own transaction ---------------------------
+
+    def check(self, refs: Sequence[Ref], now_ms: int) -> Program[list[Verdict | None]]:
+        """`rules.check` for each ref (one read per `_KEYS_PER_READ` keys), the dropped
+        copies counted on their records."""
+        found: dict[tuple[str, str], tuple[int, ScheduleState]] = {}
+        by_scope: dict[str, list[str]] = {}
+        for ref in refs:
+            by_scope.setdefault(ref.scope, []).append(ref.key)
+        for scope, keys in by_scope.items():
+            distinct = list(dict.fromkeys(keys))
+            for start in range(0, len(distinct), _KEYS_PER_READ):
+                chunk = distinct[start : start + _KEYS_PER_READ]
+                sql = self.dialect.sql(self._check + "(" + ", ".join(["?"] * len(chunk)) + ")")
+                rows = yield Sql(sql, (scope, *chunk), "all")
+                for key, generation, state in rows:
+                    found[(scope, key)] = (int(generation), ScheduleState(state))
+        verdicts: list[Verdict | None] = []
+        drops: list[tuple[Any, ...]] = []
+        for ref in refs:
+            row = found.get((ref.scope, ref.key))
+            verdict = None if row is None else rules.check_state(row[0], row[1], ref.generation)
+            if verdict in (Verdict.SUPERSEDED, Verdict.CANCELLED):
+                drops.append((now_ms, ref.scope, ref.key))
+            verdicts.append(verdict)
+        if drops:
+            yield Sql(self._dropped, drops, many=True)
+        return verdicts
+
+    def finish(self, updates: Sequence[Update], now_ms: int) -> Program[None]:
+        """`rules.finish` for each update: one statement per kind."""
+        handled: list[tuple[Any, ...]] = []
+        parked: list[tuple[Any, ...]] = []
+        retried: list[tuple[Any, ...]] = []
+        for u in updates:
+            where = (u.ref.scope, u.ref.key, u.ref.generation)
+            if u.finished is Finished.HANDLED:
+                handled.append((now_ms, now_ms + u.retention_ms, *where))
+            elif u.finished is Finished.PARKED:
+                parked.append((u.error, now_ms, now_ms + u.retention_ms, *where))
+            else:
+                retried.append((u.error, u.due_ms, now_ms, u.sweep_ms, *where))
+        for sql, rows in ((self._handled, handled), (self._parked, parked), (self._retry, retried)):
+            if rows:
+                yield Sql(sql, rows, many=True)
+
+    # -- ScheduleBook operations, each in its own transaction ----------------------------
+
+    def _read(self, scope: str, key: str, *, lock: bool) -> Program[ScheduleRecord | None]:
+        row = yield Sql(self._get_for_update if lock else self._get, (scope, key), "one")
+        return None if row is None else _record(row, with_payload=True)
+
+    def _write(self, old: ScheduleRecord | None, new: ScheduleRecord) -> Program[bool]:
+        """Write `new` over `old` (None: insert); False when another writer got there
+        first (the caller reads again)."""
+        row = _row(new)
+        if old is None:
+            changed = yield Sql(self._insert, row, "rowcount")
+        else:
+            args = (*row[2:], new.scope, new.key, old.generation, old.state.value)
+            changed = yield Sql(self._cas, args, "rowcount")
+        return bool(changed == 1)
+
+    def place_many(self, entries: Sequence[Entry], now_ms: int) -> Program[list[Placed]]:
+        placed: list[Placed] = []
+        for entry in entries:
+            for _ in range(_CAS_ATTEMPTS):
+                old = yield from self._read(entry.scope, entry.key, lock=True)
+                answer, new = rules.place(old, entry, now_ms)
+                if new is None or (yield from self._write(old, new)):
+                    placed.append(answer)
+                    break
+            else:
+                raise RuntimeError(f"schedule key {entry.key!r} kept changing while being placed")
+        return placed
+
+    def lookup(self, scope: str, key: str) -> Program[ScheduleRecord | None]:
+        return (yield from self._read(scope, key, lock=False))
+
+    def select(self, query: Query) -> Program[list[ScheduleRecord]]:
+        where = ["scope = ?"]
+        args: list[Any] = [query.scope]
+        if query.queue is not None:
+            where.append("queue = ?")
+            args.append(query.queue)
+        if query.state is not None:
+            where.append("state = ?")
+            args.append(query.state.value)
+        if query.due_before_ms is not None:
+            where.append("due_ms < ?")
+            args.append(query.due_before_ms)
+        if query.due_after_ms is not None:
+            where.append("due_ms >= ?")
+            args.append(query.due_after_ms)
+        if query.after is not None:
+            where.append("(due_ms > ? OR (due_ms = ? AND key > ?))")
+            args.extend((query.after[0], query.after[0], query.after[1]))
+        limit = min(max(query.limit, 1), MAX_PAGE)
+        sql = self.dialect.sql(
+            f"SELECT {_COLUMNS} FROM {self.table} WHERE {' AND '.join(where)} "
+            "ORDER BY due_ms, key LIMIT ?"
+        )
+        rows = yield Sql(sql, (*args, limit), "all")
+        return [_record(row, with_payload=False) for row in rows]
+
+    def cancel(
+        self, scope: str, key: str, now_ms: int, hold_ms: int
+    ) -> Program[tuple[ScheduleState | None, ScheduleRecord | None]]:
+        for _ in range(_CAS_ATTEMPTS):
+            old = yield from self._read(scope, key, lock=True)
+            found, new = rules.cancel(old, now_ms, hold_ms)
+            if new is None:
+                return found, old
+            if (yield from self._write(old, new)):
+                return found, new
+        raise RuntimeError(f"schedule key {key!r} kept changing while being cancelled")
+
+    def reschedule(
+        self, scope: str, key: str, due_ms: int, message_id: str, now_ms: int, sweep_ms: int
+    ) -> Program[tuple[ScheduleState | None, ScheduleRecord | None]]:
+        for _ in range(_CAS_ATTEMPTS):
+            old = yield from self._read(scope, key, lock=True)
+            found, new = rules.reschedule(old, due_ms, message_id, now_ms, sweep_ms)
+            if new is None:
+                return found, old
+            if (yield from self._write(old, new)):
+                return found, new
+        raise RuntimeError(f"schedule key {key!r} kept changing while being rescheduled")
+
+    def overdue(self, scope: str, now_ms: int, limit: int) -> Program[list[ScheduleRecord]]:
+        rows = yield Sql(self._overdue, (scope, now_ms, limit), "all")
+        return [_record(row, with_payload=True) for row in rows]
+
+    def swept(self, scope: str, items: Sequence[SweptItem], now_ms: int) -> Program[None]:
+        if items:
+            rows = [(next_ms, now_ms, scope, key, gen) for key, gen, next_ms in items]
+            yield Sql(self._swept, rows, many=True)
+
+    def lateness(self, scope: str, since_ms: int, sample: int) -> Program[int | None]:
+        row = yield Sql(self._lateness, (scope, since_ms, sample), "one")
+        return None if row is None or row[0] is None else int(row[0])
+
+    def count_due(self, scope: str, queue: str | None, edges: Sequence[int]) -> Program[list[int]]:
+        counts: list[int] = []
+        for low, high in itertools.pairwise(edges):
+            if queue is None:
+                row = yield Sql(self._count, (scope, low, high), "one")
+            else:
+                row = yield Sql(self._count_queue, (scope, queue, low, high), "one")
+            counts.append(int(row[0]))
+        return counts
+
+    def purge(self, now_ms: int, slice_rows: int) -> Program[int]:
+        """One slice of expired records (at most `slice_rows`); the store loops."""
+        return int((yield Sql(self._purge, (now_ms, now_ms, slice_rows), "rowcount")))
+
+
+def run_sync(cursor: Any, program: Program[T]) -> T:
+    """Run `program` on a DB-API cursor (sqlite3, psycopg)."""
+    try:
+        statement = next(program)
+        while True:
+            statement = program.send(_execute(cursor, statement))
+    except StopIteration as stop:
+        result: T = stop.value
+        return result
+
+
+def _execute(cursor: Any, statement: Sql) -> Any:
+    if statement.many:
+        cursor.executemany(statement.text, statement.params)
+        return cursor.rowcount
+    cursor.execute(statement.text, statement.params)
+    if statement.fetch == "all":
+        return cursor.fetchall()
+    if statement.fetch == "one":
+        return cursor.fetchone()
+    if statement.fetch == "rowcount":
+        return cursor.rowcount
+    return None
+
+
+async def run_async(cursor: Any, program: Program[T]) -> T:
+    """Run `program` on psycopg's AsyncCursor."""
+    try:
+        statement = next(program)
+        while True:
+            if statement.many:
+                await cursor.executemany(statement.text, statement.params)
+                reply: Any = cursor.rowcount
+            else:
+                await cursor.execute(statement.text, statement.params)
+                if statement.fetch == "all":
+                    reply = await cursor.fetchall()
+                elif statement.fetch == "one":
+                    reply = await cursor.fetchone()
+                elif statement.fetch == "rowcount":
+                    reply = cursor.rowcount
+                else:
+                    reply = None
+            statement = program.send(reply)
+    except StopIteration as stop:
+        result: T = stop.value
+        return result
+
+
+__all__ = [
+    "POSTGRES",
+    "SQLITE",
+    "Dialect",
+    "Placement",
+    "SQLSchedule",
+    "Sql",
+    "run_async",
+    "run_sync",
+]
