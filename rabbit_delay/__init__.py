@@ -51,12 +51,15 @@ from rabbit_delay._errors import (
     OutboxError,
     PublishError,
     RabbitDelayError,
+    StoreError,
     TopologyError,
     UnconfirmedError,
     UnknownTargetError,
     UnroutableError,
 )
 from rabbit_delay._reconcile import AsyncReconcileContext, ReconcileContext, Resubmit
+from rabbit_delay._schedule.messages import Scheduled
+from rabbit_delay._schedule.records import ScheduleRecord, ScheduleState
 from rabbit_delay._tls import TLSOptions
 from rabbit_delay._topology.model import Topology, load_topology, topology_from_dict
 from rabbit_delay._urls import redact
@@ -100,6 +103,10 @@ __all__ = [
     "Reject",
     "Resubmit",
     "Retry",
+    "ScheduleRecord",
+    "ScheduleState",
+    "Scheduled",
+    "StoreError",
     "TLSOptions",
     "Topology",
     "TopologyError",

@@ -84,6 +84,11 @@ class Outgoing:
     headers: dict[str, object]
     mandatory: bool
     timestamp: int  # seconds, the AMQP `timestamp` property
+    # The schedule key to record it under before it is sent (a topology with [schedule]:
+    # a publish's `key=`, else its message_id), and whether a scheduled key is kept
+    # (on_conflict="keep") rather than replaced. None: not recorded (a worker's copy).
+    key: str | None = None
+    keep: bool = False
 
 
 def strip_broker_headers(headers: Mapping[str, object]) -> dict[str, object]:

@@ -23,6 +23,7 @@
     │   ├── ManagementUnavailable           the management API cannot be used (callers fall back)
     │   └── IncompatibleBroker              the broker's version cannot do what is asked
     ├── OutboxError                         the outbox's database: no table, lost, locked
+    ├── StoreError                          the schedule's store failed (nothing was sent)
     └── DecodeError (ValueError)            a delivered message that cannot be decoded
 
 Handler control flow (`Retry`, `Reject`) lives in `rabbit_delay` (`Retry`, `Reject`): those are
@@ -205,6 +206,12 @@ class OutboxError(RabbitDelayError):
     """The outbox's database refused or lost a statement: its table is missing, the
     connection dropped, a lock was not obtained in time. The message names the table
     and what to do; the rows are untouched (a relay retries by itself)."""
+
+
+class StoreError(RabbitDelayError):
+    """The idempotency store (SQLite, Redis, PostgreSQL) failed an operation of the
+    schedule: a record could not be written or read. Nothing was published on a failed
+    write; the message names the operation and the store's error."""
 
 
 class DecodeError(RabbitDelayError, ValueError):

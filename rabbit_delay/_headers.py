@@ -18,6 +18,10 @@ H_TARGET = "rd-target"  # the routing key the message was published for
 # rd-due-at is that time rounded up to what the backend serves (the cascade's resolution),
 # so rd-due-at - rd-asked-due-at is the schedule's own deviation, never negative.
 H_ASKED_DUE_AT = "rd-asked-due-at"
+# The schedule (a topology with [schedule]): the message's key and its generation; a
+# worker drops a copy whose generation the key's record has moved past.
+H_KEY = "rd-key"
+H_GENERATION = "rd-generation"
 # Parking-lot headers (consumer framework).
 H_ERROR_TYPE = "rd-error-type"
 H_ERROR_MESSAGE = "rd-error-message"

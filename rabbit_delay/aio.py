@@ -1,6 +1,6 @@
-"""The asynchronous transport (aio-pika): publisher, worker, connection, declarer.
+"""The asynchronous transport (aio-pika): publisher, worker, schedule, connection, declarer.
 
-    from rabbit_delay.aio import AsyncPublisher, AsyncWorker, connect, declare
+    from rabbit_delay.aio import AsyncPublisher, AsyncSchedule, AsyncWorker, connect, declare
 
 `AsyncPublisher` and `AsyncWorker` are also exported by `rabbit_delay` itself.
 """
@@ -8,6 +8,15 @@
 from rabbit_delay._aio.connection import broker_info, connect
 from rabbit_delay._aio.declarer import declare, plan
 from rabbit_delay._aio.publisher import AsyncPublisher
+from rabbit_delay._aio.schedule import AsyncSchedule
 from rabbit_delay._aio.worker import AsyncWorker
 
-__all__ = ["AsyncPublisher", "AsyncWorker", "broker_info", "connect", "declare", "plan"]
+__all__ = [
+    "AsyncPublisher",
+    "AsyncSchedule",
+    "AsyncWorker",
+    "broker_info",
+    "connect",
+    "declare",
+    "plan",
+]

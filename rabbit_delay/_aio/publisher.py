@@ -30,9 +30,11 @@ from pamqp.commands import Basic
 
 from rabbit_delay._aio.connection import close_quietly, connect_first, plain_channel
 from rabbit_delay._aio.errors import mapped
+from rabbit_delay._aio.schedule import AsyncSchedule
 from rabbit_delay._connection import ConnectionSettings, failover_order
 from rabbit_delay._envelope import Outgoing
 from rabbit_delay._errors import RabbitDelayError
+from rabbit_delay._idempotency.guard import run_async
 from rabbit_delay._observe import tracing
 from rabbit_delay._publishing.confirms import (
     BlockedState,
@@ -49,6 +51,7 @@ from rabbit_delay._publishing.core import (
     PublisherOptions,
     URLs,
 )
+from rabbit_delay._stores.factory import async_store_from_config
 from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import redact
 
@@ -133,8 +136,15 @@ class AsyncPublisher(PublisherCore[Coroutine[Any, Any, str], Coroutine[Any, Any,
         **options: Unpack[PublisherOptions],
     ) -> None:
         super().__init__(
-            topology, url, borrowed=connection is not None, tracer=tracing.active, **options
+            topology,
+            url,
+            borrowed=connection is not None,
+            tracer=tracing.active,
+            book=self._open_book,
+            **options,
         )
+        self._own_store: Any = None  # the [idempotency] store opened for the schedule
+        self._schedule: AsyncSchedule | None = None
         self.connection = connection
         self._channel: AbstractChannel | None = None
         self._owner: AbstractAioChannel | None = None  # the aio-pika channel owning `_channel`
@@ -197,9 +207,27 @@ class AsyncPublisher(PublisherCore[Coroutine[Any, Any, str], Coroutine[Any, Any,
             with contextlib.suppress(Exception):  # best effort: its connection may be gone
                 await owner.close()
 
+    def _open_book(self) -> Any:
+        store = async_store_from_config(self.topology.idempotency)
+        self._own_store = store
+        return store.schedule  # type: ignore[attr-defined]
+
+    @property
+    def schedule(self) -> AsyncSchedule:
+        """The topology's schedule, through this publisher: look up, list, cancel and
+        reschedule messages by key (a topology with [schedule]; docs/schedule.md)."""
+        if self._schedule is None:
+            self._schedule = AsyncSchedule(self.topology, publisher=self)
+        return self._schedule
+
     async def close(self) -> None:
-        """Close the channel, and the connection if the publisher owns it. Idempotent;
-        a connection the broker already dropped needs nothing."""
+        """Close the channel, and the connection if the publisher owns it (and the store
+        it opened for the schedule). Idempotent; a connection the broker already dropped
+        needs nothing."""
+        store, self._own_store, self._book = self._own_store, None, None
+        if store is not None:
+            with contextlib.suppress(Exception):
+                await store.close()
         await self._close_channel()
         if self.owns_connection:
             await close_quietly(self.connection)
@@ -238,7 +266,16 @@ class AsyncPublisher(PublisherCore[Coroutine[Any, Any, str], Coroutine[Any, Any,
         )
 
     async def publish_outgoing(self, messages: Iterable[Outgoing]) -> list[str]:
-        # the one of PublisherCore, documented there: send, wait, recover
+        # the one of PublisherCore, documented there: record, send, wait, recover
+        outs = list(messages)
+        if any(o.key is not None for o in outs):
+            send, ids = await run_async(self.recording(outs))
+            if send:
+                await self._publish_ledger(send)
+            return ids
+        return await self._publish_ledger(outs)
+
+    async def _publish_ledger(self, messages: Iterable[Outgoing]) -> list[str]:
         ledger = self.ledger(messages)
         error: RabbitDelayError | None = None
         try:

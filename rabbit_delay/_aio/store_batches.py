@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 from rabbit_delay._idempotency.guard import AsyncGuard
+from rabbit_delay._schedule.records import Ref, Update
 
 
 class StoreBatches:
@@ -15,20 +16,25 @@ class StoreBatches:
 
     def __init__(self, guard: AsyncGuard) -> None:
         self.guard = guard
-        self._claims: list[tuple[str, str, asyncio.Future[object]]] = []
-        self._finishes: list[tuple[str, str, bool, asyncio.Future[object]]] = []
+        self._claims: list[tuple[str, str, Ref | None, asyncio.Future[object]]] = []
+        self._finishes: list[tuple[str, str, bool, Update | None, asyncio.Future[object]]] = []
+        self._scheduled = 0  # items with a schedule Ref or Update in the gathering batch
         self._busy = False
         self._task: asyncio.Future[None] | None = None
 
-    def claim(self, key: str, owner: str) -> asyncio.Future[object]:
+    def claim(self, key: str, owner: str, ref: Ref | None = None) -> asyncio.Future[object]:
         future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-        self._claims.append((key, owner, future))
+        self._claims.append((key, owner, ref, future))
+        self._scheduled += ref is not None
         self._schedule()
         return future
 
-    def finish(self, key: str, owner: str, succeeded: bool) -> asyncio.Future[object]:
+    def finish(
+        self, key: str, owner: str, succeeded: bool, update: Update | None = None
+    ) -> asyncio.Future[object]:
         future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-        self._finishes.append((key, owner, succeeded, future))
+        self._finishes.append((key, owner, succeeded, update, future))
+        self._scheduled += update is not None
         self._schedule()
         return future
 
@@ -45,15 +51,33 @@ class StoreBatches:
         try:
             while self._claims or self._finishes:
                 finishes, self._finishes = self._finishes, []
-                if finishes:
-                    items = [(k, o, ok) for k, o, ok, _ in finishes]
-                    await self._resolve(self.guard.finish_many(items), [f[3] for f in finishes])
                 claims, self._claims = self._claims, []
+                if self._scheduled:  # with the schedule: one store call for both
+                    self._scheduled = 0
+                    await self._resolve_both(finishes, claims)
+                    continue
+                if finishes:
+                    items = [(k, o, ok) for k, o, ok, _, _ in finishes]
+                    await self._resolve(self.guard.finish_many(items), [f[4] for f in finishes])
                 if claims:
-                    pairs = [(k, o) for k, o, _ in claims]
-                    await self._resolve(self.guard.claim_many(pairs), [c[2] for c in claims])
+                    pairs = [(k, o) for k, o, _, _ in claims]
+                    await self._resolve(self.guard.claim_many(pairs), [c[3] for c in claims])
         finally:
             self._busy = False
+
+    async def _resolve_both(
+        self,
+        finishes: list[tuple[str, str, bool, Update | None, asyncio.Future[object]]],
+        claims: list[tuple[str, str, Ref | None, asyncio.Future[object]]],
+    ) -> None:
+        finished, claimed = await self.guard.batch(
+            [(k, o, ok, u) for k, o, ok, u, _ in finishes], [(k, o, r) for k, o, r, _ in claims]
+        )
+        for future, result in zip(
+            [f[4] for f in finishes] + [c[3] for c in claims], [*finished, *claimed], strict=True
+        ):
+            if not future.done():
+                future.set_result(result)
 
     @staticmethod
     async def _resolve(batch: Any, futures: list[asyncio.Future[object]]) -> None:

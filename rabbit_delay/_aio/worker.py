@@ -450,14 +450,14 @@ class AsyncWorker(ReportingWorker):
         if isinstance(step, dp.Finish):  # always executed: the handler did run
             self.leases.finishing(step.key, step.owner, self.report)
             assert self._batches is not None
-            return await self._batches.finish(step.key, step.owner, step.succeeded)
+            return await self._batches.finish(step.key, step.owner, step.succeeded, step.update)
         if self._stale(live):
             return dp.STALE
         if isinstance(step, dp.Claim):
             if self._stopping:
                 return dp.STOPPING
             assert self._batches is not None
-            result = await self._batches.claim(step.key, step.owner)
+            result = await self._batches.claim(step.key, step.owner, step.ref)
             self.leases.claimed(step.key, step.owner, result, self.clock())
             return result
         if isinstance(step, dp.Run):

@@ -43,6 +43,8 @@ from rabbit_delay._idempotency.guard import (
     SyncStoreAsAsync,
 )
 from rabbit_delay._reconcile import Reconciler, make_reconciler
+from rabbit_delay._schedule.records import Keeping
+from rabbit_delay._schedule.rules import keeping
 from rabbit_delay._stores.factory import as_async, async_store_from_config, store_from_config
 from rabbit_delay._topology.delays import Router
 from rabbit_delay._topology.model import DEFAULT_LEASE_MS, Topology, load_topology
@@ -134,6 +136,9 @@ class Consumer:
     # Idempotency keys are scoped to the queue: a message fanned out to several queues
     # (one binding key) is handled once per queue, not once in all.
     key_prefix: str = field(repr=False, default="")
+    # The topology's [schedule], for a guarded consumer: its deliveries' rd-key /
+    # rd-generation are checked at the claim and their results written to the record.
+    schedule: Keeping | None = field(repr=False, default=None)
 
     @property
     def name(self) -> str:
@@ -306,6 +311,7 @@ class App:
             decode=_decoder(model),
             policy=policy,
             key_prefix=scoped_key(self.topology, queue, ""),
+            schedule=keeping(self.topology) if idempotent else None,
         )
         self.consumers[queue] = registered
         return registered

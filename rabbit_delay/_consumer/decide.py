@@ -7,7 +7,10 @@ attempts, tiers, parking or headers is written anywhere else.
     -------------------------------  ---------------------------------------------------
     None (the handler returned)      Ack
     ClaimResult.DONE                 Skip(duplicate)     ack, handler not run
-    ClaimResult.CANCELLED            Skip(cancelled)     ack, handler not run (tombstone)
+    ClaimResult.CANCELLED            Skip(cancelled)     ack, handler not run (tombstone,
+                                                         or its schedule key cancelled)
+    ClaimResult.SUPERSEDED           Skip(superseded)    ack, handler not run (a newer
+                                                         generation of its key replaced it)
     ClaimResult.IN_PROGRESS          Republish(defer)    same attempt, after a delay that
                                      doubles per deferral from the shortest tier, capped at
                                      half a lease (_consumer/leases.py)
@@ -137,7 +140,8 @@ class Ack:
 @dataclass(frozen=True, slots=True)
 class Skip:
     """Ack without running the handler: `reason` is the delivery's outcome, DUPLICATE (a
-    copy was already handled) or CANCELLED (app.cancel(key) left a tombstone)."""
+    copy was already handled), CANCELLED (app.cancel(key) left a tombstone, or its
+    schedule key was cancelled) or SUPERSEDED (a newer generation of its key replaced it)."""
 
     reason: Outcome
 
@@ -191,6 +195,7 @@ Action = Ack | Skip | Republish | Park | BrokerRetry | Requeue
 ACK = Ack()
 SKIP_DUPLICATE = Skip(Outcome.DUPLICATE)
 SKIP_CANCELLED = Skip(Outcome.CANCELLED)
+SKIP_SUPERSEDED = Skip(Outcome.SUPERSEDED)
 
 
 # -- per-queue policy -------------------------------------------------------------------
@@ -497,6 +502,8 @@ def decide(
             return SKIP_DUPLICATE
         if result is ClaimResult.CANCELLED:
             return SKIP_CANCELLED
+        if result is ClaimResult.SUPERSEDED:
+            return SKIP_SUPERSEDED
         if result is ClaimResult.IN_PROGRESS:
             # Not run beside the copy in progress, and not requeued (that spins, and on a
             # quorum queue every requeue counts towards x-delivery-limit): look again

@@ -9,13 +9,16 @@ either: a store failure it met is in `Settled.store_error`, reported with the re
 
     step                       the driver                         reply
     -------------------------  ---------------------------------  --------------------------
-    Claim(key, owner)          claims the key; keeps the lease    ClaimResult, or the store's
-                               renewed until Finish               exception
+    Claim(key, owner, ref)     claims the key (asking the         ClaimResult, or the store's
+                               schedule about `ref` in the same   exception
+                               store call); keeps the lease
+                               renewed until Finish
     Run(consumer, prepared)    decodes the body if not yet        None, its exception, or
                                (Consumer.decoded), calls the      Undecodable
                                handler
-    Finish(key, owner, ok)     records done (ok) or releases      None, or the store's
-                               the claim (the store's "finish");  exception
+    Finish(key, owner, ok,     records done (ok) or releases      None, or the store's
+           update)             the claim (the store's "finish"),  exception
+                               with the schedule record's update;
                                stops renewing it
     Pause(seconds)             waits (the store is failing)       None
     Publish(outgoing)          publishes, confirmed               None, or the PublishError /
@@ -62,8 +65,10 @@ from rabbit_delay._consumer.decide import (
 from rabbit_delay._consumer.leases import lost_deliveries, may_have_run
 from rabbit_delay._consumer.outcome import Outcome
 from rabbit_delay._envelope import Outgoing, text_header
-from rabbit_delay._headers import H_TIER
+from rabbit_delay._headers import H_DUE_AT, H_GENERATION, H_KEY, H_TIER
 from rabbit_delay._idempotency.guard import ClaimResult
+from rabbit_delay._schedule.records import Finished, Ref, Update
+from rabbit_delay._schedule.rules import ref_of
 
 STORE_PAUSE_S = 1.0  # back-pressure when the idempotency store fails
 
@@ -99,6 +104,7 @@ class Delivery:
 class Claim:
     key: str
     owner: str
+    ref: Ref | None = None  # the delivery's schedule key and generation: asked in the claim
 
 
 @dataclass(slots=True)
@@ -112,6 +118,7 @@ class Finish:
     key: str
     owner: str
     succeeded: bool
+    update: Update | None = None  # the schedule record's update, written with the finish
 
 
 @dataclass(slots=True)
@@ -243,7 +250,8 @@ def delivery_program(
         action = consumer.decide(prepared, _result(ran), now(), broker, crashes, lease_ms)
         return (yield from _settle(consumer, message_id, attempt, action, tier))
 
-    claim = yield Claim(key, owner)
+    ref = _ref(consumer, delivery.headers)
+    claim = yield Claim(key, owner, ref)
     if claim is STALE:
         return Settled(consumer.queue, message_id, attempt, Outcome.STALE, None, tier)
     if claim is STOPPING:
@@ -260,8 +268,8 @@ def delivery_program(
     crashes = lost_deliveries(env, delivery.redelivered, native=policy.native, held=held)
     if claim is ClaimResult.CLAIMED:
         if crashes >= policy.delivery_limit:
-            yield Finish(key, owner, False)
             action = consumer.decide(prepared, Crashed(crashes), now(), broker, crashes, lease_ms)
+            yield Finish(key, owner, False, _update(consumer, ref, action, now()))
             return (yield from _settle(consumer, message_id, attempt, action, tier))
         ran = yield Run(consumer, prepared)
         if ran is STOPPING or ran is STALE:  # not started: give the key back
@@ -270,8 +278,9 @@ def delivery_program(
                 return Settled(consumer.queue, message_id, attempt, Outcome.STALE, None, tier)
             return (yield from _hand_back(consumer, message_id, attempt, tier))
         result = _result(ran)
-        stored = yield Finish(key, owner, result is None)
         action = consumer.decide(prepared, result, now(), broker, crashes, lease_ms)
+        update = None if ref is None else _update(consumer, ref, action, now())
+        stored = yield Finish(key, owner, result is None, update)
         if action is ACK:  # the common case, without a sub-generator
             reply = yield WRITE_ACK
             outcome = Outcome.STALE if reply is STALE else Outcome.ACKED
@@ -287,6 +296,44 @@ def delivery_program(
         claimed = Crashed(crashes)
     action = consumer.decide(prepared, claimed, now(), broker, crashes, lease_ms)
     return (yield from _settle(consumer, message_id, attempt, action, tier))
+
+
+def _ref(consumer: Consumer, headers: Mapping[str, Any] | None) -> Ref | None:
+    """The schedule key and generation a delivery carries, if its consumer keeps the
+    schedule (a topology with [schedule]) and the headers name them."""
+    keeping = consumer.schedule
+    if keeping is None or not headers:
+        return None
+    return ref_of(keeping.scope, headers.get(H_KEY), headers.get(H_GENERATION))
+
+
+def _update(consumer: Consumer, ref: Ref | None, action: Action, now_ms: int) -> Update | None:
+    """What the result of a scheduled delivery does to its record: handled, parked (with
+    the reason), or a retry due later (`rules.finish`)."""
+    keeping = consumer.schedule
+    if ref is None or keeping is None:
+        return None
+    if isinstance(action, Ack):
+        return Update(ref, Finished.HANDLED, keeping.retention_ms)
+    if isinstance(action, Park):
+        return Update(
+            ref, Finished.PARKED, keeping.retention_ms, f"{action.reason}: {action.error}"
+        )
+    if isinstance(action, Republish):
+        due = action.outgoing.headers.get(H_DUE_AT)
+        due_ms = int(due) if isinstance(due, int) else now_ms
+    elif isinstance(action, BrokerRetry):
+        due_ms = now_ms + action.delay_ms
+    else:
+        return None
+    return Update(
+        ref,
+        Finished.RETRY,
+        keeping.retention_ms,
+        action.error,
+        due_ms,
+        due_ms + keeping.grace_ms,
+    )
 
 
 def _result(reply: object) -> Result:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from rabbit_delay._envelope import Envelope
 from rabbit_delay._idempotency.guard import ClaimResult, Guard
+from rabbit_delay._schedule.records import Ref, Update
 
 if TYPE_CHECKING:
     from rabbit_delay._consumer.events import WorkerEvents
@@ -158,23 +159,38 @@ class LeaseBook:
         return len(self._held)
 
 
-def claim_with(guard: Guard, leases: LeaseBook, key: str, owner: str, now_ms: int) -> object:
+def claim_with(
+    guard: Guard, leases: LeaseBook, key: str, owner: str, now_ms: int, ref: Ref | None = None
+) -> object:
     """A Claim step on a synchronous guard: its result (a key claimed is held in `leases`),
-    or the store's exception (the step's reply)."""
-    try:
-        result = guard.claim(key, owner)
-    except Exception as exc:
-        return exc
+    or the store's exception (the step's reply). With the delivery's schedule `ref`, the
+    schedule is asked in the same store call."""
+    if ref is not None:
+        result: object = guard.scheduled_batch([], [(key, owner, ref)])[1][0]
+    else:
+        try:
+            result = guard.claim(key, owner)
+        except Exception as exc:
+            return exc
     leases.claimed(key, owner, result, now_ms)
     return result
 
 
 def finish_with(
-    guard: Guard, leases: LeaseBook, key: str, owner: str, succeeded: bool, events: WorkerEvents
+    guard: Guard,
+    leases: LeaseBook,
+    key: str,
+    owner: str,
+    succeeded: bool,
+    events: WorkerEvents,
+    update: Update | None = None,
 ) -> object:
     """A Finish step on a synchronous guard: done or released, the lease dropped (a lease
-    lost meanwhile reported); None, or the store's exception (the step's reply)."""
+    lost meanwhile reported), the schedule `update` written with it; None, or the store's
+    exception (the step's reply)."""
     leases.finishing(key, owner, events)
+    if update is not None:
+        return guard.scheduled_batch([(key, owner, succeeded, update)], [])[0][0]
     try:
         if succeeded:
             guard.done(key, owner)

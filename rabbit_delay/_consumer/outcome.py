@@ -18,7 +18,10 @@ nothing else.
                  sent there, or dead-lettered there when the
                  retry copy could not be sent)
     duplicate    already handled: acked, the handler not run       done
-    cancelled    cancelled (a tombstone): acked, not run           dropped
+    cancelled    cancelled (a tombstone, or its schedule key was   dropped
+                 cancelled): acked, not run
+    superseded   a newer generation of its schedule key replaced   dropped (the newer one
+                 it: acked, not run                                runs)
     requeued     handed back to the queue at once (nack)           comes back at once
     handed_back  not started when the worker stopped: nacked       comes back at once
     stale        its channel or consumer was gone: nothing sent,   the broker delivers it
@@ -39,6 +42,7 @@ class Outcome(StrEnum):
     PARKED = "parked"
     DUPLICATE = "duplicate"
     CANCELLED = "cancelled"
+    SUPERSEDED = "superseded"
     REQUEUED = "requeued"
     HANDED_BACK = "handed_back"
     STALE = "stale"
@@ -53,6 +57,7 @@ OUTCOMES = (
     Outcome.PARKED,
     Outcome.DUPLICATE,
     Outcome.CANCELLED,
+    Outcome.SUPERSEDED,
 )
 
 __all__ = ["OUTCOMES", "Outcome"]

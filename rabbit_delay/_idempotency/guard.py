@@ -590,6 +590,17 @@ class Guard(_GuardBase[IdempotencyStore]):
         self._count_all(claimed)
         return done_slots.fill(finished), claim_slots.fill(claimed)
 
+    def batch(
+        self, finishes: Sequence[ScheduledFinish], claims: Sequence[ScheduledClaim]
+    ) -> tuple[list[Exception | None], list[ClaimResult | Exception]]:
+        """A worker's batch: `scheduled_batch` when an item carries a schedule Ref or
+        Update, else `finish_and_claim_many`. Never raises."""
+        if any(f[3] is not None for f in finishes) or any(c[2] is not None for c in claims):
+            return self.scheduled_batch(finishes, claims)
+        return self.finish_and_claim_many(
+            [(k, o, ok) for k, o, ok, _ in finishes], [(k, o) for k, o, _ in claims]
+        )
+
     def done(self, key: str, owner: str) -> None:
         """The handler succeeded: keep `key` as done for the retention period."""
         self.store.complete(key, owner, now_ms=self.clock(), retention_ms=self.retention_ms)
@@ -668,6 +679,19 @@ class AsyncGuard(_GuardBase[AsyncIdempotencyStore]):
             claimed = [exc] * len(claim_slots.valid)
         self._count_all(claimed)
         return done_slots.fill(finished), claim_slots.fill(claimed)
+
+    async def batch(
+        self, finishes: Sequence[ScheduledFinish], claims: Sequence[ScheduledClaim]
+    ) -> tuple[list[Exception | None], list[ClaimResult | Exception]]:
+        """See `Guard.batch` (without a schedule item: `finish_many`, then `claim_many`).
+        Never raises."""
+        if any(f[3] is not None for f in finishes) or any(c[2] is not None for c in claims):
+            return await self.scheduled_batch(finishes, claims)
+        finished = (
+            await self.finish_many([(k, o, ok) for k, o, ok, _ in finishes]) if finishes else []
+        )
+        claimed = await self.claim_many([(k, o) for k, o, _ in claims]) if claims else []
+        return finished, claimed
 
     async def done(self, key: str, owner: str) -> None:
         await self.store.complete(key, owner, now_ms=self.clock(), retention_ms=self.retention_ms)

@@ -9,11 +9,13 @@ only send, wait and reconnect as told.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypedDict, TypeVar, Unpack
+from functools import partial
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypedDict, TypeVar, Unpack
 
 import rabbit_delay._headers as h
 from rabbit_delay._connection import DEFAULT_BLOCKED_TIMEOUT_S, ConnectionSettings
@@ -24,8 +26,17 @@ from rabbit_delay._envelope import (
     encode_body,
     now_ms,
     outgoing,
+    text_header,
 )
-from rabbit_delay._errors import ConfigError, DelayError, DurationError, RabbitDelayError
+from rabbit_delay._errors import (
+    ConfigError,
+    DelayError,
+    DurationError,
+    RabbitDelayError,
+    StoreError,
+    UnknownTargetError,
+)
+from rabbit_delay._idempotency.guard import StoreProgram
 from rabbit_delay._publishing.confirms import (
     DEFAULT_RECOVERY_TIMEOUT_S,
     WORKER_BLOCKED_TIMEOUT_S,
@@ -37,6 +48,7 @@ from rabbit_delay._publishing.confirms import (
     recoverable,
     seconds,
 )
+from rabbit_delay._schedule.messages import check_key, entry_of, payload_headers, send_list
 from rabbit_delay._topology.delays import Route, Router
 from rabbit_delay._topology.model import Topology
 
@@ -88,11 +100,18 @@ def _no_tracer() -> None:
     return None
 
 
+# What a publisher asks, the first time it records a keyed message, for the schedule
+# to record it in (a `ScheduleBook`, or an `AsyncScheduleBook` for the async publisher).
+BookSource = Callable[[], Any]
+OnConflictName = Literal["replace", "keep"]
+
+
 class PublisherOptions(TypedDict, total=False):
     """The keyword options of both publishers (`__init__` and `connect`); see
     docs/publishing.md."""
 
     settings: ConnectionSettings | None
+    store: Any
     window: int
     metrics: Metrics | None
     recovery_timeout: DurationLike
@@ -111,11 +130,14 @@ class RouteOptions(TypedDict, total=False):
 
 
 class MessageOptions(RouteOptions, total=False):
-    """The keyword arguments of a call that publishes one message: its route, and what
-    it carries besides its body."""
+    """The keyword arguments of a call that publishes one message: its route, what it
+    carries besides its body, and (a topology with [schedule]) its schedule key and
+    what a publish does to the key when it is still scheduled."""
 
     message_id: str | None
     headers: Mapping[str, object] | None
+    key: str | None
+    on_conflict: OnConflictName | None
 
 
 class PublisherCore(Generic[OneT, ManyT]):
@@ -140,6 +162,8 @@ class PublisherCore(Generic[OneT, ManyT]):
         recovery_timeout: DurationLike = DEFAULT_RECOVERY_TIMEOUT_S,
         blocked_timeout: DurationLike | None = None,
         tracer: TracerSource | None = None,
+        store: Any = None,
+        book: BookSource | None = None,
     ) -> None:
         if borrowed and url is not None:
             raise ConfigError(
@@ -165,6 +189,11 @@ class PublisherCore(Generic[OneT, ManyT]):
                 settings.blocked_timeout_s if settings is not None else DEFAULT_BLOCKED_TIMEOUT_S
             )
         self.blocked_timeout_s = seconds(blocked_timeout, "blocked_timeout")
+        # The schedule (a topology with [schedule]): the store given, else the topology's
+        # [idempotency] store, opened by the transport (`book`) on the first keyed publish.
+        self.store = store
+        self._book_source = book
+        self._book: Any = None
 
     # -- one call --------------------------------------------------------------------------
 
@@ -283,22 +312,45 @@ class PublisherCore(Generic[OneT, ManyT]):
         return self._publish_one(self.prepare(msg, tier, **options))
 
     def publish_many(
-        self, messages: Iterable[Body], tier: str | None = None, **where: Unpack[RouteOptions]
+        self,
+        messages: Iterable[Body],
+        tier: str | None = None,
+        *,
+        keys: Sequence[str] | None = None,
+        on_conflict: OnConflictName | None = None,
+        **where: Unpack[RouteOptions],
     ) -> ManyT:
         """Publish many messages to one target and delay, confirms pipelined; the ids in
         order. Every message is validated and encoded when called, before the first is
-        sent; otherwise what publish_outgoing raises."""
-        return self.publish_outgoing(self.prepare_many(messages, tier, **where))
+        sent; otherwise what publish_outgoing raises. `keys` (one per message) are their
+        schedule keys (a topology with [schedule]; default: their message_ids), recorded
+        in one store transaction before the first is sent."""
+        outs = self.prepare_many(messages, tier, keys=keys, on_conflict=on_conflict, **where)
+        return self.publish_outgoing(outs)
 
     # -- validating and encoding -----------------------------------------------------------
 
     def prepare_many(
-        self, messages: Iterable[Body], tier: str | None = None, **where: Unpack[RouteOptions]
+        self,
+        messages: Iterable[Body],
+        tier: str | None = None,
+        *,
+        keys: Sequence[str] | None = None,
+        on_conflict: OnConflictName | None = None,
+        **where: Unpack[RouteOptions],
     ) -> list[Outgoing]:
         """Validate and encode every message (one target and delay) before any is sent."""
         now = self.now()
         route = self.route(tier, now=now, **where)
-        return [outgoing(route, *encode_body(m), now) for m in messages]
+        outs = [outgoing(route, *encode_body(m), now) for m in messages]
+        if keys is not None and len(keys) != len(outs):
+            raise ConfigError(f"give one key per message: {len(keys)} keys, {len(outs)} messages")
+        if self.topology.schedule is None and keys is None and on_conflict is None:
+            return outs
+        return [
+            self.keyed(out, keys[i] if keys is not None else None, on_conflict)
+            for i, out in enumerate(outs)
+        ]
 
     def route(
         self,
@@ -341,10 +393,111 @@ class PublisherCore(Generic[OneT, ManyT]):
         message_id: str | None = None,
         headers: Mapping[str, object] | None = None,
         attempt: int = 1,
+        key: str | None = None,
+        on_conflict: OnConflictName | None = None,
         **where: Unpack[RouteOptions],
     ) -> Outgoing:
-        """Validate and encode one message. Raises a PublishError subclass on bad input."""
+        """Validate and encode one message. Raises a PublishError subclass on bad input,
+        ConfigError for `key`/`on_conflict` without a [schedule] table."""
         now = self.now()
         route = self.route(tier, now=now, **where)
         body, content_type = encode_body(msg)
-        return outgoing(route, body, content_type, now, message_id, headers, attempt)
+        out = outgoing(route, body, content_type, now, message_id, headers, attempt)
+        if self.topology.schedule is None and key is None and on_conflict is None:
+            return out
+        return self.keyed(out, key, on_conflict)
+
+    # -- the schedule ----------------------------------------------------------------------
+
+    def keyed(self, out: Outgoing, key: str | None, on_conflict: OnConflictName | None) -> Outgoing:
+        """`out` marked to be recorded in the schedule under `key` (default: its
+        message_id) before it is sent.
+
+        Raises ConfigError for a key or on_conflict without a [schedule] table, or an
+        unknown on_conflict; EncodeError for a bad key or headers that are not JSON
+        values; UnknownTargetError for a routing key bound to several queues."""
+        schedule = self.topology.schedule
+        if schedule is None:
+            raise ConfigError(
+                "key= and on_conflict= need the schedule: add a [schedule] table to the "
+                "topology (docs/schedule.md)"
+            )
+        if on_conflict is None:
+            on_conflict = schedule.on_conflict
+        if on_conflict not in ("replace", "keep"):
+            raise ConfigError(f'on_conflict must be "replace" or "keep", got {on_conflict!r}')
+        target = str(out.headers[h.H_TARGET])
+        queues = self.router.queues_for_key(target)
+        if len(queues) != 1:
+            raise UnknownTargetError(
+                f"a scheduled message goes to one queue, and routing key {target!r} reaches "
+                f"{len(queues)} ({', '.join(queues)}): publish with queue=... (one per queue)"
+            )
+        payload_headers(out.headers)  # JSON values, or EncodeError now rather than later
+        return dataclasses.replace(
+            out,
+            key=check_key(key) if key is not None else out.message_id,
+            keep=on_conflict == "keep",
+        )
+
+    def scheduled(self, out: Outgoing) -> Outgoing:
+        """`out` marked for the schedule when the topology has one (the outbox relay, a
+        transfer): under the key it carries (rd-key, from another schedule) or its
+        message_id. Raises like `keyed`."""
+        if self.topology.schedule is None:
+            return out
+        return self.keyed(out, text_header(out.headers.get(h.H_KEY)), None)
+
+    def schedule_book(self) -> Any:
+        """The schedule the publisher records in; opened on first use. Raises ConfigError
+        when the topology has no [schedule], StoreError when the store cannot be opened."""
+        if self._book is None:
+            if self.topology.schedule is None:
+                raise ConfigError("the topology has no [schedule] table (docs/schedule.md)")
+            if self.store is not None:
+                book = getattr(self.store, "schedule", None)
+                if book is None:
+                    raise ConfigError(
+                        f"the store {type(self.store).__name__} keeps no schedule: use the "
+                        "SQLite, Redis, PostgreSQL or memory store"
+                    )
+                self._book = book
+            elif self._book_source is not None:
+                try:
+                    self._book = self._book_source()
+                except RabbitDelayError:
+                    raise
+                except Exception as exc:
+                    raise StoreError(f"opening the schedule's store failed: {exc!r}") from exc
+            else:
+                raise ConfigError("this publisher has no store to record its schedule in")
+        return self._book
+
+    def recording(self, outs: Sequence[Outgoing]) -> StoreProgram[tuple[list[Outgoing], list[str]]]:
+        """Record the keyed messages of `outs` in the schedule, in one store call,
+        before any is sent: what to send (each stamped with its generation; a kept one
+        left out), and the id each returns, in order. Raises StoreError when the store
+        fails: then nothing was recorded, and nothing is to be sent."""
+        keyed = [i for i, o in enumerate(outs) if o.key is not None]
+        if not keyed:
+            return list(outs), [o.message_id for o in outs]
+        book = self.schedule_book()
+        schedule = self.topology.schedule
+        assert schedule is not None
+        scope = self.topology.names.prefix
+        entries = [
+            entry_of(
+                outs[i],
+                scope,
+                self.router.queues_for_key(str(outs[i].headers[h.H_TARGET]))[0],
+                schedule.grace,
+            )
+            for i in keyed
+        ]
+        placed = yield partial(book.place_many, entries, now_ms=self.now())
+        if isinstance(placed, Exception):
+            raise StoreError(
+                f"the schedule could not record {len(entries)} message(s), so none was sent: "
+                f"{type(placed).__name__}: {placed}"
+            ) from placed
+        return send_list(outs, keyed, placed)

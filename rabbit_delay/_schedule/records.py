@@ -229,3 +229,13 @@ class Query:
 
 
 MAX_PAGE = 1_000
+
+
+@dataclass(frozen=True, slots=True)
+class Keeping:
+    """What a worker needs of a topology's [schedule]: the scope of its keys, how long
+    finished records are kept, and the grace a retry's record is swept after."""
+
+    scope: str
+    retention_ms: int
+    grace_ms: int

@@ -9,10 +9,12 @@ to the memory store's answers.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from rabbit_delay._schedule.records import (
     Entry,
     Finished,
+    Keeping,
     OnConflict,
     Placed,
     Placement,
@@ -23,7 +25,17 @@ from rabbit_delay._schedule.records import (
     Verdict,
 )
 
+if TYPE_CHECKING:
+    from rabbit_delay._topology.model import Topology
+
 SCHEDULED = ScheduleState.SCHEDULED
+
+
+def keeping(topology: Topology) -> Keeping | None:
+    """What the workers of `topology` need of its [schedule] (None: it has none)."""
+    if topology.schedule is None:
+        return None
+    return Keeping(topology.names.prefix, topology.schedule_retention_ms(), topology.schedule.grace)
 
 
 def place(

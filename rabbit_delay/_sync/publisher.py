@@ -29,6 +29,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 from rabbit_delay._connection import ConnectionSettings, failover_order
 from rabbit_delay._envelope import Outgoing
 from rabbit_delay._errors import BrokerBlocked, RabbitDelayError
+from rabbit_delay._idempotency.guard import run
 from rabbit_delay._observe import tracing
 from rabbit_delay._publishing.confirms import (
     BlockedState,
@@ -45,8 +46,10 @@ from rabbit_delay._publishing.core import (
     PublisherOptions,
     URLs,
 )
+from rabbit_delay._stores.factory import store_from_config
 from rabbit_delay._sync.connection import close_quietly, connect_first
 from rabbit_delay._sync.errors import CLIENT_ERRORS, mapped
+from rabbit_delay._sync.schedule import Schedule
 from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import redact
 
@@ -99,8 +102,15 @@ class Publisher(PublisherCore[str, list[str]]):
         **options: Unpack[PublisherOptions],
     ) -> None:
         super().__init__(
-            topology, url, borrowed=connection is not None, tracer=tracing.active, **options
+            topology,
+            url,
+            borrowed=connection is not None,
+            tracer=tracing.active,
+            book=self._open_book,
+            **options,
         )
+        self._own_store: Any = None  # the [idempotency] store opened for the schedule
+        self._schedule: Schedule | None = None
         self.connection = connection
         self._channel: BlockingChannel | None = None
         self._impl: Any = None  # the non-blocking channel underneath: see module docstring
@@ -143,9 +153,27 @@ class Publisher(PublisherCore[str, list[str]]):
                 self._open_channel()
         return self
 
+    def _open_book(self) -> Any:
+        store = store_from_config(self.topology.idempotency)
+        self._own_store = store
+        return store.schedule  # type: ignore[attr-defined]
+
+    @property
+    def schedule(self) -> Schedule:
+        """The topology's schedule, through this publisher: look up, list, cancel and
+        reschedule messages by key (a topology with [schedule]; docs/schedule.md)."""
+        if self._schedule is None:
+            self._schedule = Schedule(self.topology, publisher=self)
+        return self._schedule
+
     def close(self) -> None:
-        """Close the channel, and the connection if the publisher owns it. Idempotent;
-        a connection the broker already dropped needs nothing."""
+        """Close the channel, and the connection if the publisher owns it (and the store
+        it opened for the schedule). Idempotent; a connection the broker already dropped
+        needs nothing."""
+        store, self._own_store, self._book = self._own_store, None, None
+        if store is not None:
+            with contextlib.suppress(Exception):
+                store.close()
         channel, self._channel, self._impl = self._channel, None, None
         if channel is not None and channel.is_open:
             with contextlib.suppress(*CLIENT_ERRORS):  # its connection is gone: so is it
@@ -230,11 +258,21 @@ class Publisher(PublisherCore[str, list[str]]):
         return tag
 
     def publish_outgoing(self, messages: Iterable[Outgoing]) -> list[str]:
-        # the one of PublisherCore, documented there: send, wait, recover
-        ledger, failure = self.publish_tracked(messages)
-        if failure is not None:
-            raise failure
-        return [o.message_id for o in ledger.outs]
+        # the one of PublisherCore, documented there: record, send, wait, recover
+        send, ids = self._recorded(messages)
+        if send:
+            _ledger, failure = self._tracked(send)
+            if failure is not None:
+                raise failure
+        return ids
+
+    def _recorded(self, messages: Iterable[Outgoing]) -> tuple[list[Outgoing], list[str]]:
+        """The keyed messages recorded in the schedule first (`PublisherCore.recording`):
+        what to send, and the ids to return."""
+        outs = list(messages)
+        if all(o.key is None for o in outs):
+            return outs, [o.message_id for o in outs]
+        return run(self.recording(outs))
 
     def publish_tracked(
         self, messages: Iterable[Outgoing]
@@ -244,7 +282,13 @@ class Publisher(PublisherCore[str, list[str]]):
         (`ledger.states[i]` of `ledger.outs[i]`: CONFIRMED, RETURNED, NACKED, or
         UNSENT / SENT when the call ended early) and the error publish_outgoing would
         have raised, or None when every message was confirmed. For a caller that
-        settles each message on its own, such as the outbox relay."""
+        settles each message on its own, such as the outbox relay. Keyed messages are
+        recorded in the schedule first (raises StoreError when that fails, before any
+        is sent); one kept by the schedule is left out of the ledger."""
+        send, _ids = self._recorded(messages)
+        return self._tracked(send)
+
+    def _tracked(self, messages: Iterable[Outgoing]) -> tuple[Ledger, RabbitDelayError | None]:
         ledger = self.ledger(messages)
         error: RabbitDelayError | None = None
         try:

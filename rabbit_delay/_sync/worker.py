@@ -617,12 +617,12 @@ class Worker(ReportingWorker):
     def _claim_now(self, step: dp.Claim) -> object:
         """A store that never blocks (memory): claimed on the handler thread at once."""
         assert self._guard is not None
-        return claim_with(self._guard, self.leases, step.key, step.owner, self.clock())
+        return claim_with(self._guard, self.leases, step.key, step.owner, self.clock(), step.ref)
 
     def _finish_now(self, step: dp.Finish) -> object:
         assert self._guard is not None
         return finish_with(
-            self._guard, self.leases, step.key, step.owner, step.succeeded, self.report
+            self._guard, self.leases, step.key, step.owner, step.succeeded, self.report, step.update
         )
 
     # -- the store thread ------------------------------------------------------------------
@@ -647,8 +647,9 @@ class Worker(ReportingWorker):
             claims = [(live, op) for live, op in batch if type(op) is dp.Claim]
             self.leases.finishing_many([(op.key, op.owner) for _, op in finishes], self.report)
             pairs = [(op.key, op.owner) for _, op in claims]
-            finished, claimed = guard.finish_and_claim_many(
-                [(op.key, op.owner, op.succeeded) for _, op in finishes], pairs
+            finished, claimed = guard.batch(
+                [(op.key, op.owner, op.succeeded, op.update) for _, op in finishes],
+                [(op.key, op.owner, op.ref) for _, op in claims],
             )
             self.leases.claimed_many(pairs, claimed, self.clock())
             # Each program goes on here up to its next Run (for a handler thread) or its

@@ -12,7 +12,7 @@ creation + delay (`Router.resolve_remaining`).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Unpack
@@ -103,11 +103,20 @@ def new_row(
     now: int,
     message_id: str | None = None,
     headers: Mapping[str, object] | None = None,
+    key: str | None = None,
+    on_conflict: str | None = None,
     **where: Unpack[RouteOptions],
 ) -> NewRow:
     """The row for one `add()`, refused exactly as `publish_delayed` would refuse the
     message: DelayError, UnknownTargetError, EncodeError (also for headers that are not
-    a JSON object)."""
+    a JSON object). ConfigError for `key=` / `on_conflict=`: the relay records a row in
+    the schedule under its message_id (docs/schedule.md#the-outbox)."""
+    if key is not None or on_conflict is not None:
+        raise ConfigError(
+            "Outbox.add takes no key= or on_conflict=: the relay records the row in the "
+            "schedule under its message_id, so give message_id=<your key> (a second add "
+            "of one message_id is refused: reschedule with Publisher.schedule)"
+        )
     if isinstance(tier, timedelta):
         if where.get("delay") is not None:
             raise ConfigError("give the delay once: as the tier argument or as delay=, not both")
@@ -223,16 +232,21 @@ class Settlement:
 
 
 def plan_batch(
-    router: Router, rows: Sequence[Row], now: int
+    router: Router,
+    rows: Sequence[Row],
+    now: int,
+    mark: Callable[[Outgoing], Outgoing] | None = None,
 ) -> tuple[list[Row], list[Outgoing], list[Refusal]]:
     """The messages to publish for claimed rows (in claim order), and the rows refused
-    before anything is sent."""
+    before anything is sent. `mark` marks each for the schedule (a topology with
+    [schedule]: `PublisherCore.scheduled`, under its message_id)."""
     planned: list[Row] = []
     outs: list[Outgoing] = []
     refused: list[Refusal] = []
     for row in rows:
         try:
-            outs.append(outgoing(router, row, now))
+            out = outgoing(router, row, now)
+            outs.append(mark(out) if mark is not None else out)
         except PublishError as exc:  # DelayError, UnknownTargetError, EncodeError
             error = f"{type(exc).__name__}: {exc}"
             refused.append(Refusal(row, error, refused_until(row.attempts + 1, now)))

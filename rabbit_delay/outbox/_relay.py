@@ -338,7 +338,8 @@ class Relay(Opened):
             rows = store.claim(self.batch, now)
         if not rows:
             return BatchResult()
-        planned, outs, refused = plan_batch(self.router, rows, now)
+        mark = publisher.scheduled if self.router.topology.schedule is not None else None
+        planned, outs, refused = plan_batch(self.router, rows, now, mark)
         outcome = Settlement(refused=refused)
         failure: RabbitDelayError | None = None
         if outs:

@@ -364,7 +364,13 @@ class MemoryWorker(ReportingWorker):
         if isinstance(step, dp.Finish):  # always executed: the handler did run
             assert self.guard is not None
             return finish_with(
-                self.guard, self.leases, step.key, step.owner, step.succeeded, self.report
+                self.guard,
+                self.leases,
+                step.key,
+                step.owner,
+                step.succeeded,
+                self.report,
+                step.update,
             )
         if self._stale(live):
             return dp.STALE
@@ -372,7 +378,9 @@ class MemoryWorker(ReportingWorker):
             if self._stopping:
                 return dp.STOPPING
             assert self.guard is not None
-            result = claim_with(self.guard, self.leases, step.key, step.owner, self.clock())
+            result = claim_with(
+                self.guard, self.leases, step.key, step.owner, self.clock(), step.ref
+            )
             if result is ClaimResult.CLAIMED:
                 self._renew_while_held()
             return result

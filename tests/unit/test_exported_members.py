@@ -32,6 +32,10 @@ EXPECTED = {
     "ReconnectBackoff",
     "TLSOptions",
     "__version__",
+    # the schedule (a topology with [schedule])
+    "Scheduled",
+    "ScheduleRecord",
+    "ScheduleState",
     # the error tree (rabbit_delay._errors)
     "RabbitDelayError",
     "ConfigError",
@@ -56,6 +60,7 @@ EXPECTED = {
     "ManagementUnavailable",
     "IncompatibleBroker",
     "OutboxError",
+    "StoreError",
     "DecodeError",
 }
 
@@ -63,6 +68,7 @@ EXPECTED = {
 SUBMODULES = {
     "rabbit_delay.sync": {
         "Publisher",
+        "Schedule",
         "Worker",
         "broker_info",
         "connect",
@@ -73,6 +79,7 @@ SUBMODULES = {
     },
     "rabbit_delay.aio": {
         "AsyncPublisher",
+        "AsyncSchedule",
         "AsyncWorker",
         "broker_info",
         "connect",

@@ -518,6 +518,7 @@ def test_guard_runs_the_lifecycle_and_counts_outcomes() -> None:
         "duplicates_skipped": 2,
         "in_progress_deferred": 1,
         "cancelled_dropped": 1,
+        "superseded_dropped": 0,
     }
     clock.now += RETENTION
     assert guard.purge() == 2
@@ -610,6 +611,7 @@ async def test_async_guard_runs_the_lifecycle_and_counts_outcomes(tmp_path: Path
         "duplicates_skipped": 1,
         "in_progress_deferred": 1,
         "cancelled_dropped": 1,
+        "superseded_dropped": 0,
     }
     clock.now += RETENTION
     assert await guard.purge() == 2
@@ -675,7 +677,13 @@ def test_importing_the_module_does_not_import_redis() -> None:
 
 
 def test_claim_result_values_are_stable() -> None:
-    assert [r.value for r in ClaimResult] == ["claimed", "done", "in_progress", "cancelled"]
+    assert [r.value for r in ClaimResult] == [
+        "claimed",
+        "done",
+        "in_progress",
+        "cancelled",
+        "superseded",
+    ]
 
 
 async def test_guards_from_config(tmp_path: Path) -> None:
@@ -732,6 +740,7 @@ def test_guard_claim_many_counts_and_answers_an_empty_key_in_its_slot() -> None:
         "duplicates_skipped": 1,
         "in_progress_deferred": 1,
         "cancelled_dropped": 1,
+        "superseded_dropped": 0,
     }
     finished = guard.finish_many([("a", "o1", True), ("", "o2", True)])
     assert finished[0] is None
@@ -858,6 +867,7 @@ async def test_async_guard_renew_and_batches(tmp_path: Path) -> None:
         "duplicates_skipped": 1,
         "in_progress_deferred": 2,
         "cancelled_dropped": 0,
+        "superseded_dropped": 0,
     }
     with pytest.raises(ValueError, match="non-empty"):
         await guard.renew("", "a")

@@ -178,6 +178,15 @@ def test_outcome_and_reason_strings_are_only_written_in_their_enum(enum: type) -
 _ELSEWHERE = {
     ("cancelled", "_idempotency/guard.py"),  # ClaimResult.CANCELLED: the store's answer
     ("cancelled", "_stores/"),  # the stores' record state
+    ("superseded", "_idempotency/guard.py"),  # ClaimResult.SUPERSEDED: the store's answer
+    # The schedule's record states (ScheduleState), its verdicts and its kinds of result
+    # (Finished.RETRY), and the stores' statements that write them.
+    ("cancelled", "_schedule/"),
+    ("superseded", "_schedule/"),
+    ("parked", "_schedule/"),
+    ("retry", "_schedule/records.py"),
+    ("superseded", "_stores/"),
+    ("parked", "_stores/"),
     ("rejected", "testing/_broker.py"),  # the x-death reason the emulated broker writes
     ("max_attempts", "_topology/"),  # the [queues.*.retry] field
     ("retry", "_observe/tracing.py"),  # the name of a span ("retry {queue}")

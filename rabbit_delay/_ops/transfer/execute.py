@@ -314,7 +314,9 @@ class _Run:
         failed: set[str] = set()
         error: RabbitDelayError | None = None
         try:
-            self.target.publish_outgoing([move.outgoing for _tag, move in moves])
+            self.target.publish_outgoing(
+                [self.target.scheduled(move.outgoing) for _tag, move in moves]
+            )
         except RabbitDelayError as exc:
             error = exc
             if isinstance(exc, PublishError) and exc.message_ids:

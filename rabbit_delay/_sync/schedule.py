@@ -1,0 +1,201 @@
+"""The schedule of a topology, synchronous: look up, list, cancel and reschedule
+delayed messages by key, and sweep what should have fired (docs/schedule.md).
+
+    with Publisher.connect(topology, url) as publisher:
+        publisher.publish_delayed({"order": 42}, "30m", queue="orders", key="order-42")
+        publisher.schedule.lookup("order-42").due_at
+        publisher.schedule.reschedule("order-42", "2h")
+        publisher.schedule.cancel("order-42")
+
+What it decides is in `rabbit_delay._schedule.operations`, shared with AsyncSchedule;
+this module makes the store calls and the publishes.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any, Self
+
+from rabbit_delay._durations import DurationLike
+from rabbit_delay._envelope import now_ms
+from rabbit_delay._errors import ConfigError, StoreError
+from rabbit_delay._idempotency.guard import run
+from rabbit_delay._schedule.operations import ScheduleCore, SweepResult, cursor_of, superseded_or
+from rabbit_delay._schedule.records import ScheduleRecord, ScheduleState
+from rabbit_delay._stores.factory import store_from_config
+from rabbit_delay._topology.model import Topology
+
+if TYPE_CHECKING:
+    from rabbit_delay._sync.publisher import Publisher
+
+
+class Schedule:
+    """The schedule of `topology` (which needs a [schedule] table).
+
+    Records live in the topology's idempotency store (`[idempotency]`: SQLite next to
+    the topology file, Redis, PostgreSQL), or `store` when given. Through a `publisher`
+    (`Publisher.schedule`) it can also reschedule and sweep, which publish. Every call
+    raises StoreError when the store fails, ConfigError for bad arguments.
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        *,
+        store: Any = None,
+        publisher: Publisher | None = None,
+    ) -> None:
+        self.core = ScheduleCore(topology)
+        self.topology = topology
+        self.publisher = publisher
+        self._store = store
+        self._own_store: Any = None
+
+    # -- the store -----------------------------------------------------------------------
+
+    def _book(self) -> Any:
+        if self.publisher is not None and self._store is None:
+            return self.publisher.schedule_book()
+        if self._store is None:
+            try:
+                self._own_store = self._store = store_from_config(self.topology.idempotency)
+            except Exception as exc:
+                raise StoreError(f"opening the schedule's store failed: {exc!r}") from exc
+        book = getattr(self._store, "schedule", None)
+        if book is None:
+            raise ConfigError(f"the store {type(self._store).__name__} keeps no schedule")
+        return book
+
+    def _now(self) -> int:
+        return self.publisher.now() if self.publisher is not None else now_ms()
+
+    def _call(self, doing: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            raise StoreError(
+                f"the schedule's store failed {doing}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def close(self) -> None:
+        """Close the store this schedule opened (none is opened through a publisher)."""
+        store, self._own_store = self._own_store, None
+        if store is not None:
+            self._store = None
+            store.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def lookup(self, key: str, *, generation: int | None = None) -> ScheduleRecord | None:
+        """The key's record (state, queue, due time, generation, attempts, last error);
+        None when the key is unknown (never scheduled, or purged after its retention).
+        With `generation`: as that generation sees it (SUPERSEDED for an older one)."""
+        key = self.core.key(key)
+        record = self._call(f"looking up {key!r}", self._book().lookup, self.core.scope, key)
+        return superseded_or(record, generation)
+
+    def list(
+        self,
+        *,
+        queue: str | None = None,
+        state: ScheduleState | str | None = None,
+        due_before: datetime | None = None,
+        due_after: datetime | None = None,
+        limit: int = 100,
+        after: tuple[int, str] | str | None = None,
+    ) -> builtins.list[ScheduleRecord]:
+        """One page of records in due order (at most `limit`, 1..1000): of one `queue`,
+        in one `state`, due before / at or after a time. `after` is the cursor of the
+        next page (`next_cursor(page, limit)`): a list never loads the whole table."""
+        query = self.core.query(
+            queue=queue,
+            state=state,
+            due_before=due_before,
+            due_after=due_after,
+            limit=limit,
+            after=after,
+        )
+        return builtins.list(self._call("listing records", self._book().select, query))
+
+    @staticmethod
+    def next_cursor(page: Sequence[ScheduleRecord], limit: int) -> str | None:
+        """The `after=` of the page that follows `page` (None: `page` was the last)."""
+        return cursor_of(page, limit)
+
+    def timeline(
+        self,
+        *,
+        queue: str | None = None,
+        start: datetime | None = None,
+        span: DurationLike = "6h",
+        bucket: DurationLike = "15m",
+    ) -> builtins.list[tuple[datetime, int]]:
+        """How many scheduled messages come due in each `bucket` of the next `span` (from
+        `start`, default now): [(bucket start, count)], of one queue or all."""
+        self.core.query(queue=queue)  # an unknown queue is refused
+        begin = int(start.timestamp() * 1000) if start is not None else self._now()
+        edges = self.core.timeline_edges(begin, span, bucket)
+        counts = self._call(
+            "counting records", self._book().count_due, self.core.scope, queue, edges
+        )
+        return [
+            (datetime.fromtimestamp(e / 1000, UTC), n) for e, n in zip(edges, counts, strict=False)
+        ]
+
+    # -- changing ---------------------------------------------------------------------------
+
+    def cancel(self, key: str) -> ScheduleState | None:
+        """Cancel a scheduled key: its message (and any retry of it) is dropped when it
+        comes due, however far away that is. Returns what was found: SCHEDULED (now
+        cancelled), HANDLED, PARKED (now cancelled: a replay is dropped too), CANCELLED,
+        or None for an unknown key."""
+        return run(self.core.cancel(self._book(), key, self._now()))
+
+    def reschedule(
+        self,
+        key: str,
+        delay: DurationLike | timedelta | None = None,
+        *,
+        at: datetime | None = None,
+    ) -> ScheduleState | None:
+        """Move a scheduled key to `delay` from now (or `at`): its next generation is
+        recorded and published, and the copy already sent is dropped when it comes due
+        (counted and logged, never run). Needs a publisher (`Publisher.schedule`).
+
+        Returns what was found: SCHEDULED (moved), else HANDLED / CANCELLED / PARKED
+        or None (unknown), and nothing is published. Raises DelayError for a time in
+        the past or one the topology cannot reach; what a publish raises."""
+        publisher = self._require_publisher("reschedule")
+        now = self._now()
+        due = self.core.due_ms(delay, at, now)
+        return run(self.core.reschedule(self._book(), publisher.publish_outgoing, key, due, now))
+
+    def sweep(self) -> SweepResult:
+        """Republish, now, every record still scheduled past its due time plus the grace
+        (more while the workers run late), under its key and generation: what a lost
+        buffer, a purged queue or a publish that failed after its record lost. The
+        workers run this every `sweep_every` (one at a time); `rabbit-delay reconcile`
+        and `rabbit-delay scheduled sweep` run it now."""
+        publisher = self._require_publisher("sweep")
+        outs, result = run(self.core.sweep(self._book(), self._now()))
+        if outs:
+            publisher.publish_outgoing(outs)
+        return result
+
+    def _require_publisher(self, doing: str) -> Publisher:
+        if self.publisher is None:
+            raise ConfigError(
+                f"{doing} publishes: use the schedule of a publisher (Publisher.schedule)"
+            )
+        return self.publisher
+
+
+__all__ = ["Schedule"]
