@@ -48,8 +48,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from rabbit_delay._durations import format_ms
 from rabbit_delay._envelope import Body, Outgoing, outgoing
 from rabbit_delay._errors import ConfigError, PublishError
-from rabbit_delay._idempotency.guard import ClaimResult
+from rabbit_delay._idempotency.guard import ClaimResult, run
 from rabbit_delay._publishing.core import DelayLike, PublisherCore
+from rabbit_delay._schedule.operations import ScheduleCore
 
 if TYPE_CHECKING:
     from rabbit_delay._consumer.app import App
@@ -364,6 +365,9 @@ def _outgoing(
     outs: list[Outgoing] = []
     refused: list[str] = []
     for item in items:
+        if isinstance(item, Outgoing):  # a message made by the schedule's sweeper
+            outs.append(item)
+            continue
         if not isinstance(item, Resubmit):
             why = f"item {item!r} is a {type(item).__name__}, not a Resubmit"
         else:
@@ -395,6 +399,35 @@ def _resubmission(core: PublisherCore[Any, Any], item: Resubmit, now: int) -> Ou
     route = core.router.immediate(core.router.target_key(item.queue, item.routing_key))
     body, content_type = encode_body(item.body)
     return outgoing(route, body, content_type, now, item.message_id, item.headers)
+
+
+# -- the schedule's sweeper -------------------------------------------------------------
+
+# The name of the reconciler every app of a topology with [schedule] runs.
+SWEEPER = "schedule"
+
+
+def sweep_schedule(ctx: ReconcileContext) -> list[Outgoing]:
+    """The schedule's sweeper, run as a reconciler by the workers (one at a time,
+    every `[schedule] sweep_every`) and by `rabbit-delay reconcile`: the records still
+    scheduled past their due time and the grace, marked swept and returned as messages
+    to their queues now (`ScheduleCore.sweep`); the run publishes them, confirmed."""
+    app = ctx.app
+    book = getattr(app.store(), "schedule", None)
+    if book is None:
+        raise ConfigError(f"the store {type(app.store()).__name__} keeps no schedule")
+    core = ScheduleCore(app.topology, lease_ms=app.lease_ms)
+    outs, result = run(core.sweep(book, int(ctx.started_at.timestamp() * 1000)))
+    if outs:
+        log.warning(
+            "schedule sweep: %d overdue message(s) republished (grace %s, workers' lateness "
+            "%s): %s",
+            len(outs),
+            format_ms(result.grace_ms),
+            "unknown" if result.lateness_ms is None else format_ms(result.lateness_ms),
+            ", ".join(result.republished[:10]) + (" ..." if len(outs) > 10 else ""),
+        )
+    return outs
 
 
 def count(result: ReconcileResult, metrics: Metrics | None) -> ReconcileResult:
@@ -491,6 +524,7 @@ class ReconcileSchedule:
 
 
 __all__ = [
+    "SWEEPER",
     "AsyncReconcileContext",
     "ReconcileContext",
     "ReconcileResult",
@@ -502,4 +536,5 @@ __all__ = [
     "now_utc",
     "reconcile_key",
     "reconcile_program",
+    "sweep_schedule",
 ]

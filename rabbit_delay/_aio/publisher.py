@@ -30,7 +30,7 @@ from pamqp.commands import Basic
 
 from rabbit_delay._aio.connection import close_quietly, connect_first, plain_channel
 from rabbit_delay._aio.errors import mapped
-from rabbit_delay._aio.schedule import AsyncSchedule
+from rabbit_delay._schedule_api.aio import AsyncSchedule
 from rabbit_delay._connection import ConnectionSettings, failover_order
 from rabbit_delay._envelope import Outgoing
 from rabbit_delay._errors import RabbitDelayError

@@ -41,9 +41,12 @@ from rabbit_delay._idempotency.guard import (
     Guard,
     IdempotencyStore,
     SyncStoreAsAsync,
+    run,
+    run_async,
 )
-from rabbit_delay._reconcile import Reconciler, make_reconciler
-from rabbit_delay._schedule.records import Keeping
+from rabbit_delay._reconcile import SWEEPER, Reconciler, make_reconciler, sweep_schedule
+from rabbit_delay._schedule.operations import ScheduleCore
+from rabbit_delay._schedule.records import Keeping, ScheduleState
 from rabbit_delay._schedule.rules import keeping
 from rabbit_delay._stores.factory import as_async, async_store_from_config, store_from_config
 from rabbit_delay._topology.delays import Router
@@ -256,6 +259,11 @@ class App:
         self._guard: Guard | None = None
         self._async_guard: AsyncGuard | None = None
         self._installed = False  # a guard of rabbit_delay.testing is in place
+        self._clock: Clock = clock_ms  # the guards' clock (rabbit_delay.testing's is virtual)
+        if self.topology.schedule is not None:  # its sweeper: a reconciler of every app
+            self.reconcilers[SWEEPER] = make_reconciler(
+                sweep_schedule, self.topology.schedule.sweep_every, SWEEPER
+            )
 
     # -- registration ------------------------------------------------------------------
 
@@ -432,8 +440,9 @@ class App:
                 "not closed yet): close that one first"
             )
         self._installed = True
-        saved = (self._store, self._async_store, self._guard, self._async_guard)
+        saved = (self._store, self._async_store, self._guard, self._async_guard, self._clock)
         self._store = store
+        self._clock = clock
         self._async_store = SyncStoreAsAsync(store)
         lease, retention = self.lease_ms, self.retention_ms
         self._guard = Guard(store, lease_ms=lease, retention_ms=retention, clock=clock)
@@ -442,7 +451,7 @@ class App:
         )
 
         def restore() -> None:
-            self._store, self._async_store, self._guard, self._async_guard = saved
+            self._store, self._async_store, self._guard, self._async_guard, self._clock = saved
             self._installed = False
 
         return restore
@@ -497,23 +506,35 @@ class App:
         *,
         queue: str | None = None,
         retention: DurationLike | None = None,
-    ) -> None:
-        """Record a tombstone: the message with this idempotency key (its message_id,
-        unless the consumer has a `key` function) is acked and dropped when it comes due,
-        in every queue of the topology (or only in `queue`).
+    ) -> ScheduleState | None:
+        """Cancel the message with this key: it is acked and dropped when it comes due,
+        however far away that is, and so are its retries.
 
-        The tombstone lives for the app's retention (7 days by default); give a longer
-        `retention` for a message due later than that. A message without a message_id
-        (published by another client) has no key, so no tombstone can reach it.
+        With a [schedule] table, `key` is its schedule key (by default the message_id)
+        and the key's record is cancelled; returns what was found: SCHEDULED, HANDLED,
+        PARKED, CANCELLED, or None for an unknown key (docs/schedule.md).
+
+        Without one, `key` is the idempotency key (the message_id, unless the consumer
+        has a `key` function) and a tombstone is written in every queue of the topology
+        (or only in `queue`); returns None (nothing is known). The tombstone lives for
+        the longest delay the topology can express plus its longest retries and a
+        lease (at least the app's retention), so no cancel is lost; give `retention`
+        to keep it for another time. A message without a message_id (published by
+        another client) has no key, so no tombstone can reach it.
 
         Raises ValueError for an empty key; ConfigError for an unknown queue, a queue
         whose registered consumer has idempotent=False (its worker never reads
-        tombstones) or an async-only store (use `acancel`); and the store's errors.
+        tombstones), `queue`/`retention` with a schedule, or an async-only store (use
+        `acancel`); StoreError when the schedule's store fails; the store's errors.
         """
-        keep = parse_positive_ms(retention) if retention is not None else None
+        if self.topology.schedule is not None:
+            core = self._schedule_core(queue, retention)
+            return run(core.cancel(self._book(self.store()), key, self._clock()))
+        keep = parse_positive_ms(retention) if retention is not None else self.tombstone_ms()
         guard = self.guard()
         for scoped in self._scoped_keys(key, queue):
             guard.cancel(scoped, retention_ms=keep)
+        return None
 
     async def acancel(
         self,
@@ -521,12 +542,42 @@ class App:
         *,
         queue: str | None = None,
         retention: DurationLike | None = None,
-    ) -> None:
+    ) -> ScheduleState | None:
         """`cancel` through the async store."""
-        keep = parse_positive_ms(retention) if retention is not None else None
+        if self.topology.schedule is not None:
+            core = self._schedule_core(queue, retention)
+            book = self._book(self.async_store())
+            return await run_async(core.cancel(book, key, self._clock()))
+        keep = parse_positive_ms(retention) if retention is not None else self.tombstone_ms()
         guard = self.async_guard()
         for scoped in self._scoped_keys(key, queue):
             await guard.cancel(scoped, retention_ms=keep)
+        return None
+
+    def tombstone_ms(self) -> int:
+        """How long `cancel` keeps a tombstone: the longest delay the topology can
+        express, plus its longest retries and a lease, and at least the retention."""
+        topology = self.topology
+        span = max(topology.retry_span_ms(q) for q in topology.queues)
+        return max(self.retention_ms, topology.longest_delay_ms() + span + self.lease_ms)
+
+    def _schedule_core(self, queue: str | None, retention: DurationLike | None) -> ScheduleCore:
+        if queue is not None or retention is not None:
+            raise ConfigError(
+                "with a [schedule], cancel(key) cancels the key's record, which knows its "
+                "queue and due time: drop queue= and retention="
+            )
+        return ScheduleCore(self.topology, lease_ms=self.lease_ms)
+
+    @staticmethod
+    def _book(store: object) -> Any:
+        book = getattr(store, "schedule", None)
+        if book is None:
+            raise ConfigError(
+                f"the store {type(store).__name__} keeps no schedule: use the SQLite, Redis, "
+                "PostgreSQL or memory store"
+            )
+        return book
 
     def _scoped_keys(self, key: str, queue: str | None) -> list[str]:
         if not key:

@@ -51,6 +51,7 @@ class WorkerStats:
     parked: int = 0
     duplicate: int = 0
     cancelled: int = 0
+    superseded: int = 0
     requeued: int = 0
     handed_back: int = 0
     stale: int = 0
@@ -129,6 +130,13 @@ class WorkerMetrics:
             deviation.observe(deviation_s(due, asked))
 
 
+# Skips worth a line each: a message dropped on purpose, never run.
+_DROPPED = {
+    Outcome.CANCELLED: "its key was cancelled",
+    Outcome.SUPERSEDED: "a newer generation of its schedule key replaced it",
+}
+
+
 def log_action(
     queue: str, message_id: str | None, attempt: int, action: Action, tier: str | None = None
 ) -> None:
@@ -143,6 +151,15 @@ def log_action(
                 attempt,
                 extra=delivery_fields(queue, message_id, attempt, tier),
             )
+    elif isinstance(action, Skip) and action.reason in _DROPPED:
+        log.info(
+            "%s: %s dropped, not run (%s: %s)",
+            queue,
+            message_id,
+            action.reason.value,
+            _DROPPED[action.reason],
+            extra=delivery_fields(queue, message_id, attempt, tier),
+        )
     elif isinstance(action, Skip):
         if log.isEnabledFor(logging.DEBUG):
             log.debug(

@@ -49,7 +49,7 @@ from rabbit_delay._publishing.core import (
 from rabbit_delay._stores.factory import store_from_config
 from rabbit_delay._sync.connection import close_quietly, connect_first
 from rabbit_delay._sync.errors import CLIENT_ERRORS, mapped
-from rabbit_delay._sync.schedule import Schedule
+from rabbit_delay._schedule_api.sync import Schedule
 from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import redact
 

@@ -16,6 +16,8 @@ from rabbit_delay._durations import DurationLike
 from rabbit_delay._errors import ConfigError
 from rabbit_delay._idempotency.guard import IdempotencyStore
 from rabbit_delay._observe.report import WorkerStats
+from rabbit_delay._stores.memory import MemoryStore
+from rabbit_delay._schedule_api.sync import Schedule
 from rabbit_delay._topology.model import Topology
 from rabbit_delay.testing._broker import DEFAULT_VERSION, MemoryBroker, Message
 from rabbit_delay.testing._publisher import AsyncMemoryPublisher, MemoryPublisher
@@ -67,10 +69,19 @@ class TestBroker:
         self.topology = app.topology if isinstance(app, App) else app
         self.memory = MemoryBroker(version, start=start)
         self.worker: MemoryWorker | None = None
+        if self.topology.schedule is not None and store is None:
+            # one store for the worker, the publishers and app.cancel: the schedule's
+            chosen = self.app.explicit_store if self.app is not None else None
+            store = chosen if chosen is not None else MemoryStore()  # type: ignore[assignment]
+        self.store = store
         try:
             self.memory.declare(self.topology)
-            self.publisher = MemoryPublisher(self.topology, self.memory, metrics=metrics)
-            self.async_publisher = AsyncMemoryPublisher(self.topology, self.memory, metrics=metrics)
+            self.publisher = MemoryPublisher(
+                self.topology, self.memory, metrics=metrics, store=store
+            )
+            self.async_publisher = AsyncMemoryPublisher(
+                self.topology, self.memory, metrics=metrics, store=store
+            )
             if self.app is not None and (self.app.consumers or queues):
                 self.worker = MemoryWorker(
                     self.app,
@@ -85,6 +96,13 @@ class TestBroker:
         except BaseException:
             self.memory.close()
             raise
+
+    @property
+    def schedule(self) -> Schedule:
+        """The topology's schedule on the virtual clock (a topology with [schedule]):
+        `lookup`, `list`, `cancel`, `reschedule`, and `sweep()` (the workers' sweeper,
+        run now). Raises ConfigError without a [schedule] table."""
+        return self.publisher.schedule
 
     # -- time ----------------------------------------------------------------------------------
 

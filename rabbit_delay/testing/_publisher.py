@@ -10,8 +10,10 @@ from typing import Any, Generic, TypeVar, Unpack
 
 from rabbit_delay._envelope import Outgoing
 from rabbit_delay._errors import RabbitDelayError
+from rabbit_delay._idempotency.guard import run
 from rabbit_delay._observe import tracing
 from rabbit_delay._publishing.core import PublisherCore, PublisherOptions
+from rabbit_delay._schedule_api.sync import Schedule
 from rabbit_delay._topology.model import Topology
 from rabbit_delay.testing._broker import NO_ROUTE, MemoryBroker
 
@@ -42,16 +44,29 @@ def _send(
 
 
 class _OnMemoryBroker(PublisherCore[OneT, ManyT], Generic[OneT, ManyT]):
-    """A publisher of a MemoryBroker, on its virtual clock."""
+    """A publisher of a MemoryBroker, on its virtual clock. A topology with [schedule]
+    records keyed publishes in `store` (the TestBroker's, shared with its worker)."""
 
     def __init__(
         self, topology: Topology, broker: MemoryBroker, **options: Unpack[PublisherOptions]
     ) -> None:
         super().__init__(topology, borrowed=True, tracer=tracing.active, **options)
         self.broker = broker
+        self._schedule: Schedule | None = None
 
     def now(self) -> int:
         return self.broker.now_ms()
+
+    def _send(self, messages: Iterable[Outgoing]) -> list[str]:
+        """Record the keyed messages in the schedule (the kit's store is synchronous),
+        then send the others: the ids."""
+        outs = list(messages)
+        if not any(o.key is not None for o in outs):
+            return _send(self, self.broker, outs)
+        send, ids = run(self.recording(outs))
+        if send:
+            _send(self, self.broker, send)
+        return ids
 
 
 class MemoryPublisher(_OnMemoryBroker[str, list[str]]):
@@ -64,10 +79,17 @@ class MemoryPublisher(_OnMemoryBroker[str, list[str]]):
     """
 
     def publish_outgoing(self, messages: Iterable[Outgoing]) -> list[str]:
-        return _send(self, self.broker, messages)
+        return self._send(messages)
 
     def _publish_one(self, out: Outgoing) -> str:
-        return _send(self, self.broker, (out,))[0]
+        return self._send((out,))[0]
+
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule through this publisher, on the virtual clock (`Publisher.schedule`)."""
+        if self._schedule is None:
+            self._schedule = Schedule(self.topology, publisher=self)  # type: ignore[arg-type]
+        return self._schedule
 
     def __enter__(self) -> MemoryPublisher:
         return self
@@ -83,10 +105,10 @@ class AsyncMemoryPublisher(
     test that publishes from async handlers or services. Raises like MemoryPublisher."""
 
     async def publish_outgoing(self, messages: Iterable[Outgoing]) -> list[str]:
-        return _send(self, self.broker, messages)
+        return self._send(messages)
 
     async def _publish_one(self, out: Outgoing) -> str:
-        return _send(self, self.broker, (out,))[0]
+        return self._send((out,))[0]
 
     async def __aenter__(self) -> AsyncMemoryPublisher:
         return self
