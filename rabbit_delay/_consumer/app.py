@@ -1,6 +1,6 @@
 """The application object: a topology, its consumers, and the idempotency guard.
 
-    app = App("topology/shop.toml")
+    app = App("topology/orders.toml")
 
     @app.consumer("orders.cancel", model=CancelOrder)
     def cancel_order(msg: CancelOrder, ctx: HandlerContext) -> None: ...

@@ -8,6 +8,7 @@ the field, never a setting silently ignored.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 import types
 import typing
@@ -479,5 +480,35 @@ def load_topology(path: str | Path) -> Topology:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise TopologyError(f"{path}: not valid TOML: {exc}") from None
+        raise TopologyError(f"{path}: not valid TOML: {_toml_error(exc, text)}") from None
     return topology_from_dict(data, str(path), base_dir=os.path.abspath(path.parent))
+
+
+# tomllib says "Cannot overwrite a value (at line 7, column 9)" for a key written twice,
+# without the key: the line it points at names it.
+_OVERWRITE = re.compile(r"^Cannot overwrite a value \(at line (?P<line>\d+), column \d+\)$")
+_SIMPLE_KEY = r"""(?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*')"""
+_KEY = re.compile(rf"^\s*(?P<key>{_SIMPLE_KEY}(?:\s*\.\s*{_SIMPLE_KEY})*)\s*=")
+_TABLE = re.compile(r"^\s*\[\[?\s*(?P<table>[^\]]+?)\s*\]\]?\s*(?:#.*)?$")
+
+
+def _toml_error(exc: tomllib.TOMLDecodeError, text: str) -> str:
+    """tomllib's message, with the key's name when it is a key defined twice."""
+    message = str(exc)
+    m = _OVERWRITE.match(message)
+    lines = text.splitlines()
+    if m is None or not 1 <= int(m["line"]) <= len(lines):
+        return message
+    number = int(m["line"])
+    key = _KEY.match(lines[number - 1])
+    if key is None:
+        return message
+    table = next(
+        (t["table"] for line in reversed(lines[: number - 1]) if (t := _TABLE.match(line))),
+        None,
+    )
+    where = f" in table [{table}]" if table else ""
+    return (
+        f"key {key['key']}{where} is defined twice (line {number}): a key may be written "
+        f"once per table ({message})"
+    )
