@@ -71,8 +71,11 @@ class RetryBackoff(_Model):
     """Exponential retry delays (exact, through the cascade): initial * factor^(n-1), capped."""
 
     initial: Duration = Field(default=2_000, gt=0)
+    """The delay of the first retry."""
     factor: float = Field(default=2.0, ge=1.0)
+    """Each retry waits `factor` times the one before."""
     max: Duration = Field(default=300_000, gt=0)
+    """The longest delay: every later retry waits this long."""
 
     def delay_ms(self, retry_number: int) -> int:
         return int(min(self.max, self.initial * self.factor ** (retry_number - 1)))
@@ -104,9 +107,18 @@ class RetryPolicy(_Model):
     """
 
     max_attempts: int = Field(default=3, ge=1, le=1000)
+    """Every delivery attempt counts, the first included; the last failure parks the
+    message."""
     backend: RetryBackend = RetryBackend.TIERS
+    """Who waits out a retry's delay: `tiers` (the worker re-publishes a copy through a
+    delay tier, the cascade or the plugin; any broker) or `broker` (the quorum queue delays
+    the requeued message itself: RabbitMQ 4.3+ delayed retry)."""
     tiers: tuple[TierName, ...] = ()
+    """Backend `tiers`, in order: retry n waits `tiers[n-1]`, the last one repeats.
+    Empty: the shortest tier the queue accepts."""
     backoff: RetryBackoff | None = None
+    """Backend `tiers`: exponential delays, exact (needs `[cascade]` or `[plugin]`), e.g.
+    `{ initial = "2s", factor = 2.0, max = "5m" }`; not with `tiers`."""
     min: PositiveDuration | None = None  # backend "broker": x-delayed-retry-min
     max: PositiveDuration | None = None  # backend "broker": x-delayed-retry-max (no cap if unset)
 
@@ -149,8 +161,11 @@ class QueueConfig(_Model):
     """A business queue: where due messages land and handlers consume."""
 
     bindings: tuple[RoutingKey, ...] = ()
+    """Extra routing keys binding this queue to the due exchange: publish with
+    `routing_key=` to reach every queue bound with it."""
     tiers: tuple[TierName, ...] | None = None  # None: every tier may target this queue
     retry: RetryPolicy = RetryPolicy()
+    """How a failed message is tried again (the table below)."""
     # Quorum only: deliveries (crashes, lost connections) before the broker dead-letters
     # the message to the parking lot. Always explicit: RabbitMQ 4.0 defaults to 20.
     delivery_limit: int = Field(default=10, ge=1, le=10_000)
@@ -176,7 +191,10 @@ class CascadeConfig(_Model):
     """Plugin-free arbitrary delays: `levels` TTL levels of 2^L * `resolution` each."""
 
     levels: int = Field(default=22, ge=1, le=32)
+    """Number of levels: level L holds a message 2^L units; the longest delay is
+    (2^levels - 1) units (22 levels at 1 s: 48.5 days)."""
     resolution: Duration = Field(default=1_000, ge=1)
+    """The time unit: delays are rounded up to it, never down."""
 
     @property
     def max_delay_ms(self) -> int:
@@ -232,8 +250,15 @@ class ScalingConfig(_Model):
     """
 
     shards: ShardCount = 1
+    """Buffers per tier (1..32): each is a fanout exchange and a TTL queue, same TTL, same
+    due exchange; publishers spread messages over them by `message_id`."""
     tier_shards: dict[TierName, ShardCount] = Field(default_factory=dict)
+    """Per-tier override of `shards`, e.g. `{ "3s" = 8 }`; a tier that is not in
+    `[tiers]` is an error."""
     leader_locator: LeaderLocator = LeaderLocator.BALANCED
+    """Quorum queues: `x-queue-leader-locator` of every queue created: `balanced`
+    (fewest leaders), `client-local` (the declaring connection's node) or `broker` (not set:
+    the node's `queue_leader_locator` setting decides)."""
     replicas: Annotated[int, Field(ge=1, le=MAX_REPLICAS)] | None = None  # None: broker default
 
 
@@ -261,10 +286,18 @@ class IdempotencyConfig(_Model):
     """
 
     store: Literal["sqlite", "memory", "redis"] = "sqlite"
+    """The store: `sqlite` (a file shared by the workers of one machine), `redis` (any
+    number of machines) or `memory` (one process)."""
     path: str = Field(default=DEFAULT_IDEMPOTENCY_FILE, min_length=1, validate_default=True)
+    """The SQLite file; a relative path is resolved against the topology file's
+    directory."""
     url: str = "redis://127.0.0.1:6379/0"
+    """The Redis URL (`store = "redis"`)."""
     lease: Duration = Field(default=DEFAULT_LEASE_MS, gt=0)
+    """How long a claim holds a key unrenewed; renewed every lease / 3 while the handler
+    runs."""
     retention: Duration = Field(default=DEFAULT_RETENTION_MS, gt=0)
+    """How long a handled key is remembered (duplicates within it are skipped)."""
 
     @field_validator("path")
     @classmethod
@@ -277,14 +310,29 @@ class Topology(_Model):
     """One namespace of delay tiers and business queues."""
 
     namespace: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,39}$")]
+    """Prefix of every name declared (`shop` -> `shop.v1.*`)."""
     version: int = Field(default=1, ge=1, le=999)
+    """Version segment of every name: raise it to declare an incompatible topology beside
+    the old one (`shop.v1.*` and `shop.v2.*` coexist while v1 drains)."""
     queue_type: QueueType = QueueType.QUORUM
+    """Type of every queue. Quorum: replicated, at-least-once dead-lettering. Classic:
+    at-most-once between a buffer and its business queue."""
     tiers: dict[TierName, TierDuration] = Field(min_length=1)
+    """Delay tiers, name = duration: one TTL buffer queue (and its fanout exchange) per
+    tier. Names: letters, digits, `_`, `-` (up to 32); two tiers may not share a duration."""
     queues: dict[QueueName, QueueConfig] = Field(min_length=1)
+    """Business queues, by name (lower-case letters, digits, `.`, `_`, `-`), declared as
+    `{namespace}.v{version}.q.{NAME}`: that full name is also its own routing key."""
     cascade: CascadeConfig | None = None
+    """Plugin-free arbitrary delays (docs/arbitrary-delays.md)."""
     plugin: PluginConfig | None = None
+    """Arbitrary delays through `x-delayed-message` (docs/arbitrary-delays.md); not on
+    RabbitMQ 4.3+."""
     scaling: ScalingConfig = ScalingConfig()
+    """Buffers per tier and where quorum queues are placed (docs/scaling.md)."""
     idempotency: IdempotencyConfig = Field(default_factory=IdempotencyConfig)
+    """Where workers record the message ids they claimed and handled
+    (docs/idempotency.md)."""
 
     @model_validator(mode="before")
     @classmethod
