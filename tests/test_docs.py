@@ -49,7 +49,13 @@ RUN = {"python"}
 CHECKED = {"toml", "json"}
 OUTPUT = {"text"}
 SHELL = {"bash", "sh", "console"}
-KNOWN = RUN | CHECKED | OUTPUT | SHELL | {"yaml", "ini", "dockerfile", "systemd", "promql", "sql"}
+KNOWN = (
+    RUN
+    | CHECKED
+    | OUTPUT
+    | SHELL
+    | {"yaml", "ini", "dockerfile", "systemd", "promql", "sql", "javascript"}
+)
 RUN_TIMEOUT_S = 90
 
 
