@@ -120,7 +120,11 @@ class RetryPolicy(_Model):
     """Backend `tiers`: exponential delays, exact (needs `[cascade]` or `[plugin]`), e.g.
     `{ initial = "2s", factor = 2.0, max = "5m" }`; not with `tiers`."""
     min: PositiveDuration | None = None  # backend "broker": x-delayed-retry-min
+    """Backend `broker` (required there): `x-delayed-retry-min`, the delay of the first
+    retry; retry n waits `min` x n."""
     max: PositiveDuration | None = None  # backend "broker": x-delayed-retry-max (no cap if unset)
+    """Backend `broker`: `x-delayed-retry-max`, the longest delay (at least `min`); not
+    set: no cap."""
 
     @model_validator(mode="after")
     def _one_schedule(self) -> RetryPolicy:
@@ -164,11 +168,16 @@ class QueueConfig(_Model):
     """Extra routing keys binding this queue to the due exchange: publish with
     `routing_key=` to reach every queue bound with it."""
     tiers: tuple[TierName, ...] | None = None  # None: every tier may target this queue
+    """Tiers publishers may use for this queue (others are refused at publish); not set:
+    every tier. The queue's retry tiers are always accepted."""
     retry: RetryPolicy = RetryPolicy()
     """How a failed message is tried again (the table below)."""
     # Quorum only: deliveries (crashes, lost connections) before the broker dead-letters
     # the message to the parking lot. Always explicit: RabbitMQ 4.0 defaults to 20.
     delivery_limit: int = Field(default=10, ge=1, le=10_000)
+    """Quorum only: `x-delivery-limit`; a message delivered this often (crashing workers)
+    is dead-lettered to the parking lot. Always set: RabbitMQ 4.0 defaults to 20. At least
+    `retry.max_attempts` with retry backend `broker`."""
     # Short name used in cascade routing keys, which are limited to 255 bytes.
     alias: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,32}$")] | None = None
 
@@ -260,6 +269,8 @@ class ScalingConfig(_Model):
     (fewest leaders), `client-local` (the declaring connection's node) or `broker` (not set:
     the node's `queue_leader_locator` setting decides)."""
     replicas: Annotated[int, Field(ge=1, le=MAX_REPLICAS)] | None = None  # None: broker default
+    """Quorum queues: `x-quorum-initial-group-size` of every queue created (1..7; odd
+    numbers: Raft needs a majority); not set: the broker's default."""
 
 
 DEFAULT_IDEMPOTENCY_FILE = "rabbit-delay-idempotency.sqlite3"
