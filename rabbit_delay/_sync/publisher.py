@@ -230,6 +230,9 @@ class Publisher(PublisherCore[str, list[str]]):
         return tag
 
     def publish_outgoing(self, messages: Iterable[Outgoing]) -> list[str]:
+        """Send messages already built (a retry, a replay, a relayed outbox row), wait for
+        every confirm, recover a lost connection; their message ids, in order. Raises like
+        `publish_many`."""
         # the one of PublisherCore, documented there: send, wait, recover
         ledger, failure = self.publish_tracked(messages)
         if failure is not None:
