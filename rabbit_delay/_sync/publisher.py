@@ -231,8 +231,12 @@ class Publisher(PublisherCore[str, list[str]]):
 
     def publish_outgoing(self, messages: Iterable[Outgoing]) -> list[str]:
         """Send messages already built (a retry, a replay, a relayed outbox row), wait for
-        every confirm, recover a lost connection; their message ids, in order. Raises like
-        `publish_many`."""
+        every confirm, recover a lost connection; their message ids, in order.
+
+        Raises UnroutableError (returned under `mandatory`), NackError, or
+        UnconfirmedError / BrokerBlocked past the recovery or blocked deadline, each naming
+        the message ids concerned; on a connection you passed in, a lost connection
+        raises at once."""
         # the one of PublisherCore, documented there: send, wait, recover
         ledger, failure = self.publish_tracked(messages)
         if failure is not None:
