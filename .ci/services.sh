@@ -19,6 +19,11 @@
 #                       dashboard's browser test drives: installed with apt-get when missing
 #                       and we are root; otherwise a warning (the test then fails, naming
 #                       what to install: it is never skipped)
+#   ensure_node         Node.js and npm (Debian's nodejs and npm, installed with apt-get when
+#                       missing and we are root; otherwise a warning, and the interop test
+#                       fails naming them), then `npm ci` in $RD_NODE_DIR (tests/interop/node:
+#                       amqplib as its package-lock.json pins it) when its node_modules is
+#                       missing or older than the lock file
 
 RD_AMQP_HOST=${RD_AMQP_HOST:-127.0.0.1}
 RD_AMQP_PORT=${RD_AMQP_PORT:-5672}
@@ -217,4 +222,40 @@ ensure_chromium() {
         return 0
     fi
     _say "WARNING: no $RD_CHROMIUM and cannot install it here (needs root and apt-get): the dashboard's browser test will fail; install Debian's chromium and chromium-driver"
+}
+
+RD_NODE_DIR=${RD_NODE_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/tests/interop/node}
+
+_apt_install() {  # _apt_install PACKAGE...: apt-get install, refreshing a stale package list once
+    if ! DEBIAN_FRONTEND=noninteractive timeout "$RD_INSTALL_TIMEOUT" apt-get install -y -qq "$@"; then
+        timeout "$RD_INSTALL_TIMEOUT" apt-get update -qq \
+            && DEBIAN_FRONTEND=noninteractive timeout "$RD_INSTALL_TIMEOUT" apt-get install -y -qq "$@"
+    fi
+}
+
+ensure_node() {
+    local missing=()
+    if ! command -v node >/dev/null 2>&1; then
+        missing=(nodejs npm)
+    elif ! command -v npm >/dev/null 2>&1; then
+        missing=(npm)  # NodeSource's nodejs bundles npm (and conflicts with Debian's npm)
+    fi
+    if [ ${#missing[@]} -gt 0 ]; then
+        if [ "$(id -u 2>/dev/null)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+            _say "no ${missing[*]}: apt-get install -y ${missing[*]} (for the Node.js interop test)"
+            _apt_install "${missing[@]}" || _die "apt-get install ${missing[*]} failed" || return 1
+        else
+            _say "WARNING: no ${missing[*]} and cannot install them here (needs root and apt-get): the Node.js interop test will fail; install Debian's nodejs and npm"
+            return 0
+        fi
+    fi
+    command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 \
+        || _die "node or npm still missing after apt-get install nodejs npm" || return 1
+    _say "Node.js $(node --version), npm $(npm --version)"
+    local installed="$RD_NODE_DIR/node_modules/.package-lock.json"
+    if [ ! -f "$installed" ] || [ "$RD_NODE_DIR/package-lock.json" -nt "$installed" ]; then
+        _say "npm ci in $RD_NODE_DIR (amqplib for the interop test)"
+        timeout "$RD_INSTALL_TIMEOUT" npm ci --prefix "$RD_NODE_DIR" --no-audit --no-fund --loglevel=error \
+            || _die "npm ci in $RD_NODE_DIR failed" || return 1
+    fi
 }

@@ -4,7 +4,7 @@ What an application writes, in one namespace:
 
     from rabbit_delay import App, HandlerContext, Publisher, Retry, Worker, load_topology
 
-    app = App("topology/shop.toml")
+    app = App("topology/orders.toml")
 
     @app.consumer("orders.cancel-unpaid")
     def cancel(order: dict, ctx: HandlerContext) -> None: ...

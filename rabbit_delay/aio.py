@@ -8,8 +8,8 @@
 from rabbit_delay._aio.connection import broker_info, connect
 from rabbit_delay._aio.declarer import declare, plan
 from rabbit_delay._aio.publisher import AsyncPublisher
-from rabbit_delay._schedule_api.aio import AsyncSchedule
 from rabbit_delay._aio.worker import AsyncWorker
+from rabbit_delay._schedule_api.aio import AsyncSchedule
 
 __all__ = [
     "AsyncPublisher",

@@ -3,7 +3,7 @@
     from rabbit_delay import App
     from rabbit_delay.stores import RedisStore
 
-    app = App("topology/shop.toml", store=RedisStore("redis://127.0.0.1:6379/0"))
+    app = App("topology/orders.toml", store=RedisStore("redis://127.0.0.1:6379/0"))
 
 By default an app builds its store from the topology's `[idempotency]` table (SQLite,
 next to the topology file). Every store implements the `IdempotencyStore` protocol

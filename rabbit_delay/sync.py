@@ -7,10 +7,10 @@ removes a drained topology version (what `rabbit-delay delete` does).
 """
 
 from rabbit_delay._ops.delete.execute import delete_topology
+from rabbit_delay._schedule_api.sync import Schedule
 from rabbit_delay._sync.connection import broker_info, connect, connected
 from rabbit_delay._sync.declarer import declare, plan
 from rabbit_delay._sync.publisher import Publisher
-from rabbit_delay._schedule_api.sync import Schedule
 from rabbit_delay._sync.worker import Worker
 
 __all__ = [

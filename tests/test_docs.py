@@ -1,11 +1,14 @@
-"""Docs that run: every code block of README.md and docs/*.md is run or checked here, or
-is marked as a fragment (an HTML comment `<!-- fragment -->` on the line before it).
+"""Docs that run: every code block of README.md, CONTRIBUTING.md and the docs site's pages
+(docs/, subfolders included) is run or checked here, or is marked as a fragment (an HTML
+comment `<!-- fragment -->` on the line before it).
 
 What each kind of block gets:
 
     python        run as a script (integration): in a scratch copy of the project whose
                   topology files carry a namespace of their own, declared before and
-                  deleted after, against the broker under test
+                  deleted after, against the broker under test. A block whose first line
+                  is `# NAME.py` is that file: the later blocks of its page find it in
+                  their scratch copy (a tutorial's test imports the tutorial's app)
     toml          parsed; validated as a topology (a table alone, such as `[scaling]`,
                   is validated inside a minimal topology)
     json          parsed
@@ -40,13 +43,19 @@ from rabbit_delay import load_topology, topology_from_dict
 from rabbit_delay._cli.app import app
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+DOCS = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "docs").rglob("*.md")])
 FRAGMENT = "<!-- fragment -->"
 RUN = {"python"}
 CHECKED = {"toml", "json"}
 OUTPUT = {"text"}
 SHELL = {"bash", "sh", "console"}
-KNOWN = RUN | CHECKED | OUTPUT | SHELL | {"yaml", "ini", "dockerfile", "systemd", "promql", "sql"}
+KNOWN = (
+    RUN
+    | CHECKED
+    | OUTPUT
+    | SHELL
+    | {"yaml", "ini", "dockerfile", "systemd", "promql", "sql", "javascript"}
+)
 RUN_TIMEOUT_S = 90
 
 
@@ -229,6 +238,18 @@ def test_cli_line_uses_real_commands_and_options(block: Block, line: str) -> Non
 
 PYTHON = [b for b in ALL if b.lang == "python" and not b.fragment]
 _NAMESPACE = re.compile(r'^namespace\s*=\s*"[^"]*"', re.MULTILINE)
+_FILE_NAME = re.compile(r"^# (?P<name>[A-Za-z_][A-Za-z0-9_]*\.py)\b")
+
+
+def _named_files_before(block: Block) -> dict[str, str]:
+    """The files (`# NAME.py` blocks) that come before `block` on its page."""
+    files: dict[str, str] = {}
+    for earlier in PYTHON:
+        if earlier.path == block.path and earlier.line < block.line:
+            m = _FILE_NAME.match(earlier.code)
+            if m:
+                files[m["name"]] = earlier.code
+    return files
 
 
 def _scratch_project(tmp: Path, namespace: str) -> list[Path]:
@@ -252,6 +273,8 @@ def test_python_block_runs(block: Block, broker_url: str, tmp_path: Path) -> Non
     files = _scratch_project(tmp_path, "doc" + uuid.uuid4().hex[:8])
     used = [f for f in files if str(f.relative_to(tmp_path)) in block.code]
     topologies = [load_topology(f) for f in used]
+    for name, code in _named_files_before(block).items():
+        (tmp_path / name).write_text(code)
     script = tmp_path / "block.py"
     script.write_text(block.code)
     with connected(broker_url, name="docs test") as connection:

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 import pytest
 from pydantic import BaseModel
+from typing_extensions import TypedDict  # pydantic's rule on Python < 3.12
 
 from rabbit_delay import (
     App,
@@ -60,6 +61,58 @@ ASYNC_HANDLER_KINDS = ("async", "memory-async")  # kinds whose handlers are `asy
 class CancelOrder(BaseModel):
     order_id: int
     action: str = "ok"
+
+
+UNANNOTATED = ""  # `annotation=UNANNOTATED`: a message parameter without an annotation
+
+
+class Job(TypedDict):
+    job: str
+    tries: int
+
+
+@dataclass(frozen=True)
+class Typed:
+    """A handler typed by its annotation (or not, or overridden by `model`): the message
+    published, what the handler must receive, and a message that does not fit (None: all
+    fit) with the reason it is parked for."""
+
+    annotation: str | None
+    body: Any
+    received: Any
+    misfit: Any = None
+    reason: str | None = None
+    model: Any = None
+
+
+# One business queue per case (docs/consumer.md, "What a handler receives").
+TYPED = {
+    "typed.dict": Typed(
+        "dict[str, Any]", {"order_id": 1}, {"order_id": 1}, [1, 2], "validation_error"
+    ),
+    "typed.job": Typed(
+        "Job",
+        {"job": "mail", "tries": 2},
+        {"job": "mail", "tries": 2},
+        {"job": "mail"},
+        "validation_error",
+    ),
+    "typed.ints": Typed("list[int]", [1, 2, 3], [1, 2, 3], b"[1, 2", "decode_error"),
+    # text, not JSON: the body as UTF-8, quotes and all
+    "typed.text": Typed("str", 'zwölf "✓"'.encode(), 'zwölf "✓"', b"\xff\xfe", "decode_error"),
+    "typed.bytes": Typed("bytes", b"\xff raw", b"\xff raw"),
+    "typed.any": Typed("Any", b"\xff any", b"\xff any"),
+    "typed.none": Typed(UNANNOTATED, {"order_id": 2}, b'{"order_id":2}'),
+    # model= wins: a dict would take {"order_id": "x"}, the model refuses it
+    "typed.model": Typed(
+        "dict[str, Any]",
+        {"order_id": 3},
+        CancelOrder(order_id=3),
+        {"order_id": "x"},
+        "validation_error",
+        model=CancelOrder,
+    ),
+}
 
 
 # -- handlers and what they saw --------------------------------------------------------------
@@ -112,11 +165,13 @@ def handler(
     *,
     sleep: float | Callable[[Any, HandlerContext], float] = 0.0,
     then: Step | None = None,
+    annotation: str | None = None,
 ) -> Callable[..., Any]:
     """record start -> sleep -> `then` (which may raise) -> record finish.
 
     An `async def` for the kinds in ASYNC_HANDLER_KINDS (sleeps on its loop: the
     in-memory kit's loop is on the virtual clock), else a `def` (sleeps on its thread).
+    Its message parameter is annotated `Any`, or `annotation` (see `annotated`).
     """
 
     def pause(message: Any, ctx: HandlerContext) -> float:
@@ -133,7 +188,7 @@ def handler(
                 then(message, ctx)
             calls.finish(message, ctx)
 
-        return handle
+        return annotated(handle, annotation)
 
     async def handle_async(message: Any, ctx: HandlerContext) -> None:
         calls.start(message, ctx)
@@ -144,7 +199,22 @@ def handler(
             then(message, ctx)
         calls.finish(message, ctx)
 
-    return handle_async
+    return annotated(handle_async, annotation)
+
+
+def annotated(fn: Callable[..., Any], annotation: str | None) -> Callable[..., Any]:
+    """`fn` with its first parameter (the message) annotated `annotation` as source code
+    under `from __future__ import annotations` is: a string, resolved in this module
+    (`Job`, `list[int]`...); UNANNOTATED removes the annotation, None keeps `Any`."""
+    if annotation is None:
+        return fn
+    hints = dict(fn.__annotations__)
+    if annotation == UNANNOTATED:
+        del hints["message"]
+    else:
+        hints["message"] = annotation
+    fn.__annotations__ = hints
+    return fn
 
 
 @dataclass
@@ -198,6 +268,7 @@ class Bench(Protocol):
         *,
         sleep: float | Callable[[Any, HandlerContext], float] = 0.0,
         then: Step | None = None,
+        annotation: str | None = None,
     ) -> Callable[..., Any]: ...
 
     def run_worker(self, app: App, **options: Any) -> Running:
@@ -471,6 +542,44 @@ class WorkerBehaviour:
             assert headers[h.H_ORIGINAL_QUEUE] == QUEUE
         assert "order_id" in str(reasons[invalid][h.H_ERROR_MESSAGE])
         assert [p.body for p in parked if p.message_id == poison] == [b"\xff{not json"]
+        assert worker.stats.retried == 0
+
+    def test_a_handler_without_model_receives_what_its_annotation_says(self, bench: Bench) -> None:
+        topology = bench.declared(queues={queue: {} for queue in TYPED})
+        app = App(topology, store=MemoryStore())
+        calls = bench.calls()
+        for queue, case in TYPED.items():
+            typed = bench.handler(calls, annotation=case.annotation)
+            app.add_consumer(queue, typed, model=case.model)
+        worker = bench.run_worker(app)
+        with bench.publisher(topology) as publisher:
+            for queue, case in TYPED.items():
+                publisher.publish_delayed(case.body, "1s", queue=queue, message_id=f"{queue}-fits")
+                if case.misfit is not None:
+                    publisher.publish_delayed(case.misfit, "1s", queue=queue, message_id=queue)
+
+        misfits = {q: c for q, c in TYPED.items() if c.misfit is not None}
+        parked = {
+            queue: bench.get_all(topology.names.parking_queue(queue), 1)[0] for queue in misfits
+        }
+        finished = calls.wait_finished(len(TYPED))
+        bench.wait_for(lambda: worker.stats.acked == len(TYPED), 5, "every fitting message acked")
+        worker.stop()
+
+        got = {c.ctx.queue: c.message for c in finished}
+        assert set(got) == set(TYPED)
+        for queue, case in TYPED.items():
+            assert got[queue] == case.received, queue
+            assert type(got[queue]) is type(case.received), queue
+        assert {c.ctx.message_id for c in calls.started} == {f"{q}-fits" for q in TYPED}
+        for queue, case in misfits.items():
+            headers = parked[queue].headers
+            assert parked[queue].message_id == queue
+            assert headers[h.H_PARK_REASON] == case.reason, (queue, headers)
+            assert headers[h.H_ATTEMPT] == 1
+        assert parked["typed.text"].headers[h.H_ERROR_TYPE] == "UnicodeDecodeError"
+        assert parked["typed.text"].body == b"\xff\xfe"
+        assert worker.stats.parked == len(misfits)
         assert worker.stats.retried == 0
 
     # -- handler signals -----------------------------------------------------------------

@@ -30,7 +30,6 @@ from pamqp.commands import Basic
 
 from rabbit_delay._aio.connection import close_quietly, connect_first, plain_channel
 from rabbit_delay._aio.errors import mapped
-from rabbit_delay._schedule_api.aio import AsyncSchedule
 from rabbit_delay._connection import ConnectionSettings, failover_order
 from rabbit_delay._envelope import Outgoing
 from rabbit_delay._errors import RabbitDelayError
@@ -51,6 +50,7 @@ from rabbit_delay._publishing.core import (
     PublisherOptions,
     URLs,
 )
+from rabbit_delay._schedule_api.aio import AsyncSchedule
 from rabbit_delay._stores.factory import async_store_from_config
 from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import redact
@@ -266,7 +266,16 @@ class AsyncPublisher(PublisherCore[Coroutine[Any, Any, str], Coroutine[Any, Any,
         )
 
     async def publish_outgoing(self, messages: Iterable[Outgoing]) -> list[str]:
-        # the one of PublisherCore, documented there: record, send, wait, recover
+        """Send messages already built (a retry, a replay, a relayed outbox row), wait for
+        every confirm, recover a lost connection; their message ids, in order. Messages
+        marked for the schedule (`key`) are recorded first (StoreError when that fails,
+        before any is sent); one the schedule keeps is not sent, and its id is the kept
+        message's.
+
+        Raises UnroutableError (returned under `mandatory`), NackError, or
+        UnconfirmedError / BrokerBlocked past the recovery or blocked deadline, each naming
+        the message ids concerned; on a connection you passed in, a lost connection
+        raises at once."""
         outs = list(messages)
         if any(o.key is not None for o in outs):
             send, ids = await run_async(self.recording(outs))

@@ -135,6 +135,7 @@ class AsyncWorker(ReportingWorker):
                 loop.call_soon_threadsafe(stop.set)
 
     def stop_requested(self) -> bool:
+        """True once `stop()` was called (or SIGINT/SIGTERM received)."""
         return self._stop_requested
 
     async def run(self) -> None:

@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 
+from rabbit_delay._cli.asyncapi import asyncapi_command
 from rabbit_delay._cli.dashboard import dashboard
 from rabbit_delay._cli.declare import declare, plan
 from rabbit_delay._cli.delete import delete
@@ -77,6 +78,7 @@ app.command()(plan)
 app.command()(declare)
 app.command()(publish)
 app.command("permissions")(permissions_command)
+app.command("asyncapi")(asyncapi_command)
 app.command()(worker)
 app.command()(dashboard)
 app.command()(delete)

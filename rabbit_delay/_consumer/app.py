@@ -1,6 +1,6 @@
 """The application object: a topology, its consumers, and the idempotency guard.
 
-    app = App("topology/shop.toml")
+    app = App("topology/orders.toml")
 
     @app.consumer("orders.cancel", model=CancelOrder)
     def cancel_order(msg: CancelOrder, ctx: HandlerContext) -> None: ...
@@ -20,8 +20,6 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from pydantic import BaseModel, TypeAdapter
-
 from rabbit_delay._broker import UNKNOWN, BrokerInfo
 from rabbit_delay._consumer.context import HandlerContext, clock_ms
 from rabbit_delay._consumer.decide import (
@@ -31,6 +29,7 @@ from rabbit_delay._consumer.decide import (
     Undecodable,
     decide,
 )
+from rabbit_delay._consumer.inputs import annotated_input, decoder_for
 from rabbit_delay._durations import DurationLike, parse_positive_ms
 from rabbit_delay._envelope import Envelope
 from rabbit_delay._errors import ConfigError, DecodeError
@@ -87,14 +86,6 @@ class Prepared:
     content_type: str | None
 
 
-def _decoder(model: Any) -> Callable[[bytes], Any]:
-    if model is None:
-        return bytes
-    if isinstance(model, type) and issubclass(model, BaseModel):
-        return model.model_validate_json
-    return TypeAdapter(model).validate_json
-
-
 def _takes_context(handler: Callable[..., Any], queue: str) -> bool:
     try:
         params = list(inspect.signature(handler).parameters.values())
@@ -129,7 +120,7 @@ class Consumer:
 
     queue: str
     handler: Callable[..., Any]
-    model: Any
+    model: Any  # what the body is decoded into: model=, else the annotation (None: bytes)
     key: KeyFunction | None
     idempotent: bool
     is_async: bool
@@ -277,13 +268,17 @@ class App:
     ) -> Callable[[F], F]:
         """Register the decorated function as the handler of `queue` (a logical name).
 
-        The handler receives the decoded message (`model`: a pydantic model class, or
-        any type pydantic can validate JSON into; None passes the raw bytes) and,
-        if it takes a second argument, the HandlerContext. `key(message)` gives the
-        idempotency key (default: the message_id); `idempotent=False` runs every copy.
+        The handler receives the message decoded into `model`, or without it into the
+        annotation of its first parameter (docs/consumer.md): a pydantic
+        model or any type pydantic validates JSON into (dict, list[int], a TypedDict...);
+        `str` for the body as UTF-8 text; `bytes`, `Any`, `object` or no annotation for
+        the raw body. If it takes a second argument, it also receives the HandlerContext.
+        `key(message)` gives the idempotency key (default: the message_id);
+        `idempotent=False` runs every copy.
 
         Raises ConfigError for a queue absent from the topology, a queue that already
-        has a handler, or a handler that takes no argument.
+        has a handler, a handler that takes no argument, a message annotation that does
+        not resolve, or a type pydantic cannot validate.
         """
 
         def register(handler: F) -> F:
@@ -308,15 +303,18 @@ class App:
                 "one queue, one handler"
             )
         policy = QueuePolicy(self.topology, queue, self.router)
+        where = f"consumer for {queue!r}: handler {_name(handler)}"
+        # What the handler receives: model=, else its first parameter's annotation.
+        message_type = model if model is not None else annotated_input(handler, where)
         registered = Consumer(
             queue=queue,
             handler=handler,
-            model=model,
+            model=message_type,
             key=key,
             idempotent=idempotent,
             is_async=is_async_callable(handler),
             takes_context=_takes_context(handler, queue),
-            decode=_decoder(model),
+            decode=decoder_for(message_type, where),
             policy=policy,
             key_prefix=scoped_key(self.topology, queue, ""),
             schedule=keeping(self.topology) if idempotent else None,

@@ -46,10 +46,10 @@ from rabbit_delay._publishing.core import (
     PublisherOptions,
     URLs,
 )
+from rabbit_delay._schedule_api.sync import Schedule
 from rabbit_delay._stores.factory import store_from_config
 from rabbit_delay._sync.connection import close_quietly, connect_first
 from rabbit_delay._sync.errors import CLIENT_ERRORS, mapped
-from rabbit_delay._schedule_api.sync import Schedule
 from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import redact
 
@@ -258,7 +258,16 @@ class Publisher(PublisherCore[str, list[str]]):
         return tag
 
     def publish_outgoing(self, messages: Iterable[Outgoing]) -> list[str]:
-        # the one of PublisherCore, documented there: record, send, wait, recover
+        """Send messages already built (a retry, a replay, a relayed outbox row), wait for
+        every confirm, recover a lost connection; their message ids, in order. Messages
+        marked for the schedule (`key`) are recorded first (StoreError when that fails,
+        before any is sent); one the schedule keeps is not sent, and its id is the kept
+        message's.
+
+        Raises UnroutableError (returned under `mandatory`), NackError, or
+        UnconfirmedError / BrokerBlocked past the recovery or blocked deadline, each naming
+        the message ids concerned; on a connection you passed in, a lost connection
+        raises at once."""
         send, ids = self._recorded(messages)
         if send:
             _ledger, failure = self._tracked(send)

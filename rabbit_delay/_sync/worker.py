@@ -158,6 +158,7 @@ class Worker(ReportingWorker):
         self._wake()
 
     def stop_requested(self) -> bool:
+        """True once `stop()` was called (or SIGINT/SIGTERM received)."""
         return self._stop.is_set()
 
     def run(self) -> None:

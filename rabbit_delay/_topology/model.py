@@ -8,6 +8,7 @@ the field, never a setting silently ignored.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 import types
 import typing
@@ -70,8 +71,11 @@ class RetryBackoff(_Model):
     """Exponential retry delays (exact, through the cascade): initial * factor^(n-1), capped."""
 
     initial: Duration = Field(default=2_000, gt=0)
+    """The delay of the first retry."""
     factor: float = Field(default=2.0, ge=1.0)
+    """Each retry waits `factor` times the one before."""
     max: Duration = Field(default=300_000, gt=0)
+    """The longest delay: every later retry waits this long."""
 
     def delay_ms(self, retry_number: int) -> int:
         return int(min(self.max, self.initial * self.factor ** (retry_number - 1)))
@@ -103,11 +107,24 @@ class RetryPolicy(_Model):
     """
 
     max_attempts: int = Field(default=3, ge=1, le=1000)
+    """Every delivery attempt counts, the first included; the last failure parks the
+    message."""
     backend: RetryBackend = RetryBackend.TIERS
+    """Who waits out a retry's delay: `tiers` (the worker re-publishes a copy through a
+    delay tier, the cascade or the plugin; any broker) or `broker` (the quorum queue delays
+    the requeued message itself: RabbitMQ 4.3+ delayed retry)."""
     tiers: tuple[TierName, ...] = ()
+    """Backend `tiers`, in order: retry n waits `tiers[n-1]`, the last one repeats.
+    Empty: the shortest tier the queue accepts."""
     backoff: RetryBackoff | None = None
+    """Backend `tiers`: exponential delays, exact (needs `[cascade]` or `[plugin]`), e.g.
+    `{ initial = "2s", factor = 2.0, max = "5m" }`; not with `tiers`."""
     min: PositiveDuration | None = None  # backend "broker": x-delayed-retry-min
+    """Backend `broker` (required there): `x-delayed-retry-min`, the delay of the first
+    retry; retry n waits `min` x n."""
     max: PositiveDuration | None = None  # backend "broker": x-delayed-retry-max (no cap if unset)
+    """Backend `broker`: `x-delayed-retry-max`, the longest delay (at least `min`); not
+    set: no cap."""
 
     @model_validator(mode="after")
     def _one_schedule(self) -> RetryPolicy:
@@ -148,11 +165,19 @@ class QueueConfig(_Model):
     """A business queue: where due messages land and handlers consume."""
 
     bindings: tuple[RoutingKey, ...] = ()
+    """Extra routing keys binding this queue to the due exchange: publish with
+    `routing_key=` to reach every queue bound with it."""
     tiers: tuple[TierName, ...] | None = None  # None: every tier may target this queue
+    """Tiers publishers may use for this queue (others are refused at publish); not set:
+    every tier. The queue's retry tiers are always accepted."""
     retry: RetryPolicy = RetryPolicy()
+    """How a failed message is tried again (the table below)."""
     # Quorum only: deliveries (crashes, lost connections) before the broker dead-letters
     # the message to the parking lot. Always explicit: RabbitMQ 4.0 defaults to 20.
     delivery_limit: int = Field(default=10, ge=1, le=10_000)
+    """Quorum only: `x-delivery-limit`; a message delivered this often (crashing workers)
+    is dead-lettered to the parking lot. Always set: RabbitMQ 4.0 defaults to 20. At least
+    `retry.max_attempts` with retry backend `broker`."""
     # Short name used in cascade routing keys, which are limited to 255 bytes.
     alias: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,32}$")] | None = None
 
@@ -175,7 +200,10 @@ class CascadeConfig(_Model):
     """Plugin-free arbitrary delays: `levels` TTL levels of 2^L * `resolution` each."""
 
     levels: int = Field(default=22, ge=1, le=32)
+    """Number of levels: level L holds a message 2^L units; the longest delay is
+    (2^levels - 1) units (22 levels at 1 s: 48.5 days)."""
     resolution: Duration = Field(default=1_000, ge=1)
+    """The time unit: delays are rounded up to it, never down."""
 
     @property
     def max_delay_ms(self) -> int:
@@ -231,9 +259,18 @@ class ScalingConfig(_Model):
     """
 
     shards: ShardCount = 1
+    """Buffers per tier (1..32): each is a fanout exchange and a TTL queue, same TTL, same
+    due exchange; publishers spread messages over them by `message_id`."""
     tier_shards: dict[TierName, ShardCount] = Field(default_factory=dict)
+    """Per-tier override of `shards`, e.g. `{ "3s" = 8 }`; a tier that is not in
+    `[tiers]` is an error."""
     leader_locator: LeaderLocator = LeaderLocator.BALANCED
+    """Quorum queues: `x-queue-leader-locator` of every queue created: `balanced`
+    (fewest leaders), `client-local` (the declaring connection's node) or `broker` (not set:
+    the node's `queue_leader_locator` setting decides)."""
     replicas: Annotated[int, Field(ge=1, le=MAX_REPLICAS)] | None = None  # None: broker default
+    """Quorum queues: `x-quorum-initial-group-size` of every queue created (1..7; odd
+    numbers: Raft needs a majority); not set: the broker's default."""
 
 
 DEFAULT_IDEMPOTENCY_FILE = "rabbit-delay-idempotency.sqlite3"
@@ -260,10 +297,18 @@ class IdempotencyConfig(_Model):
     """
 
     store: Literal["sqlite", "memory", "redis"] = "sqlite"
+    """The store: `sqlite` (a file shared by the workers of one machine), `redis` (any
+    number of machines) or `memory` (one process)."""
     path: str = Field(default=DEFAULT_IDEMPOTENCY_FILE, min_length=1, validate_default=True)
+    """The SQLite file; a relative path is resolved against the topology file's
+    directory."""
     url: str = "redis://127.0.0.1:6379/0"
+    """The Redis URL (`store = "redis"`)."""
     lease: Duration = Field(default=DEFAULT_LEASE_MS, gt=0)
+    """How long a claim holds a key unrenewed; renewed every lease / 3 while the handler
+    runs."""
     retention: Duration = Field(default=DEFAULT_RETENTION_MS, gt=0)
+    """How long a handled key is remembered (duplicates within it are skipped)."""
 
     @field_validator("path")
     @classmethod
@@ -293,25 +338,51 @@ class ScheduleConfig(_Model):
     """
 
     on_conflict: Literal["replace", "keep"] = "replace"
+    """What a publish does to a key still scheduled: `replace` (its next generation wins,
+    the older copy is dropped) or `keep` (nothing is published). A call's `on_conflict=`
+    overrides it."""
     grace: Duration = Field(default=DEFAULT_SCHEDULE_GRACE_MS, gt=0)
+    """How long past its due time a record may stay scheduled before the sweeper
+    republishes it (longer while the workers run late)."""
     sweep_every: Duration = Field(default=DEFAULT_SWEEP_EVERY_MS, ge=100)
+    """How often the workers run the sweeper (one worker at a time)."""
     sweep_batch: int = Field(default=DEFAULT_SWEEP_BATCH, ge=1, le=100_000)
+    """The most records one sweep republishes."""
     retention: Duration | None = Field(default=None, gt=0)
+    """How long finished records (handled, cancelled, parked) are kept before they are
+    purged; default: `[idempotency] retention`."""
 
 
 class Topology(_Model):
     """One namespace of delay tiers and business queues."""
 
     namespace: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,39}$")]
+    """Prefix of every name declared (`shop` -> `shop.v1.*`)."""
     version: int = Field(default=1, ge=1, le=999)
+    """Version segment of every name: raise it to declare an incompatible topology beside
+    the old one (`shop.v1.*` and `shop.v2.*` coexist while v1 drains)."""
     queue_type: QueueType = QueueType.QUORUM
+    """Type of every queue. Quorum: replicated, at-least-once dead-lettering. Classic:
+    at-most-once between a buffer and its business queue."""
     tiers: dict[TierName, TierDuration] = Field(min_length=1)
+    """Delay tiers, name = duration: one TTL buffer queue (and its fanout exchange) per
+    tier. Names: letters, digits, `_`, `-` (up to 32); two tiers may not share a duration."""
     queues: dict[QueueName, QueueConfig] = Field(min_length=1)
+    """Business queues, by name (lower-case letters, digits, `.`, `_`, `-`), declared as
+    `{namespace}.v{version}.q.{NAME}`: that full name is also its own routing key."""
     cascade: CascadeConfig | None = None
+    """Plugin-free arbitrary delays (docs/arbitrary-delays.md)."""
     plugin: PluginConfig | None = None
+    """Arbitrary delays through `x-delayed-message` (docs/arbitrary-delays.md); not on
+    RabbitMQ 4.3+."""
     scaling: ScalingConfig = ScalingConfig()
+    """Buffers per tier and where quorum queues are placed (docs/scaling.md)."""
     idempotency: IdempotencyConfig = Field(default_factory=IdempotencyConfig)
+    """Where workers record the message ids they claimed and handled
+    (docs/idempotency.md)."""
     schedule: ScheduleConfig | None = None
+    """The schedule: every delayed publish recorded by key, to look up, list, cancel and
+    reschedule, with a built-in sweeper (docs/schedule.md). Absent: no schedule."""
 
     @model_validator(mode="before")
     @classmethod
@@ -540,5 +611,35 @@ def load_topology(path: str | Path) -> Topology:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise TopologyError(f"{path}: not valid TOML: {exc}") from None
+        raise TopologyError(f"{path}: not valid TOML: {_toml_error(exc, text)}") from None
     return topology_from_dict(data, str(path), base_dir=os.path.abspath(path.parent))
+
+
+# tomllib says "Cannot overwrite a value (at line 7, column 9)" for a key written twice,
+# without the key: the line it points at names it.
+_OVERWRITE = re.compile(r"^Cannot overwrite a value \(at line (?P<line>\d+), column \d+\)$")
+_SIMPLE_KEY = r"""(?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*')"""
+_KEY = re.compile(rf"^\s*(?P<key>{_SIMPLE_KEY}(?:\s*\.\s*{_SIMPLE_KEY})*)\s*=")
+_TABLE = re.compile(r"^\s*\[\[?\s*(?P<table>[^\]]+?)\s*\]\]?\s*(?:#.*)?$")
+
+
+def _toml_error(exc: tomllib.TOMLDecodeError, text: str) -> str:
+    """tomllib's message, with the key's name when it is a key defined twice."""
+    message = str(exc)
+    m = _OVERWRITE.match(message)
+    lines = text.splitlines()
+    if m is None or not 1 <= int(m["line"]) <= len(lines):
+        return message
+    number = int(m["line"])
+    key = _KEY.match(lines[number - 1])
+    if key is None:
+        return message
+    table = next(
+        (t["table"] for line in reversed(lines[: number - 1]) if (t := _TABLE.match(line))),
+        None,
+    )
+    where = f" in table [{table}]" if table else ""
+    return (
+        f"key {key['key']}{where} is defined twice (line {number}): a key may be written "
+        f"once per table ({message})"
+    )

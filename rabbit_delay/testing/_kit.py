@@ -16,8 +16,8 @@ from rabbit_delay._durations import DurationLike
 from rabbit_delay._errors import ConfigError
 from rabbit_delay._idempotency.guard import IdempotencyStore
 from rabbit_delay._observe.report import WorkerStats
-from rabbit_delay._stores.memory import MemoryStore
 from rabbit_delay._schedule_api.sync import Schedule
+from rabbit_delay._stores.memory import MemoryStore
 from rabbit_delay._topology.model import Topology
 from rabbit_delay.testing._broker import DEFAULT_VERSION, MemoryBroker, Message
 from rabbit_delay.testing._publisher import AsyncMemoryPublisher, MemoryPublisher

@@ -107,8 +107,9 @@ class RealBench:
         *,
         sleep: float | Callable[[Any, HandlerContext], float] = 0.0,
         then: Step | None = None,
+        annotation: str | None = None,
     ) -> Callable[..., Any]:
-        return handler(self.kind, calls, sleep=sleep, then=then)
+        return handler(self.kind, calls, sleep=sleep, then=then, annotation=annotation)
 
     def run_worker(self, app: App, **options: Any) -> RunningWorker:
         worker = RunningWorker(self.kind, app, self.url, **options)

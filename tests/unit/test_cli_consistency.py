@@ -41,9 +41,10 @@ COMMANDS = {
     "publish": ["publish", "{}", "-q", "push", "-t", "1s"],
     "permissions": ["permissions", "worker"],
     "dashboard": ["dashboard"],
+    "asyncapi": ["asyncapi"],
 }
 # The commands that also take the file as their FILE argument (as they always did).
-POSITIONAL = ("plan", "declare", "status", "replay", "dashboard")
+POSITIONAL = ("plan", "declare", "status", "replay", "dashboard", "asyncapi")
 GOOD_TOML = 'namespace = "shop"\n[tiers]\n1s = "1s"\n[queues.push]\n'
 
 

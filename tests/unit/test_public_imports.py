@@ -1,4 +1,5 @@
-"""What a user reads imports only what a user may import: the README, the docs and the
+"""What a user reads imports only what a user may import: the README, CONTRIBUTING, the
+docs (every page of the site, subfolders included) and the
 examples name public modules only (rabbit_delay and its documented submodules), never a
 private one (a name starting with an underscore)."""
 
@@ -26,7 +27,11 @@ FENCE = re.compile(r"^```(?:python|py)[^\n]*\n(.*?)^```", re.S | re.M)
 
 def _sources() -> list[tuple[str, str]]:
     found = []
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+    for path in [
+        ROOT / "README.md",
+        ROOT / "CONTRIBUTING.md",
+        *sorted((ROOT / "docs").rglob("*.md")),
+    ]:
         for n, block in enumerate(FENCE.findall(path.read_text()), 1):
             found.append((f"{path.relative_to(ROOT)} block {n}", block))
     for path in sorted((ROOT / "examples").rglob("*.py")):

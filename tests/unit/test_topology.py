@@ -413,3 +413,23 @@ def test_placement_of_classic_queues_is_refused(placement: dict[str, Any]) -> No
 def test_classic_queues_may_have_shards() -> None:
     topology = topology_from_dict(minimal(queue_type="classic", scaling={"shards": 3}))
     assert len(topology.tier_queues("1s")) == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        (BASE.replace('1s = "1s"', '1s = "1s"\n1s = "2s"'), "key 1s in table [tiers]"),
+        (
+            BASE.replace("max_attempts = 3", "max_attempts = 3\nmax_attempts = 4"),
+            'key max_attempts in table [queues."orders.cancel".retry]',
+        ),
+        ('namespace = "shop"\nnamespace = "other"\n', "key namespace is defined twice"),
+        (BASE.replace('5m = "5m"', '5m = "5m"\n"5m" = "6m"'), 'key "5m" in table [tiers]'),
+    ],
+)
+def test_a_key_written_twice_is_named(tmp_path: Path, text: str, named: str) -> None:
+    message = load_error(tmp_path, text)
+    assert "not valid TOML" in message
+    assert named in message
+    assert "defined twice" in message
+    assert "Cannot overwrite a value (at line" in message  # tomllib's own words, kept

@@ -88,8 +88,9 @@ class MemoryBench:
         *,
         sleep: float | Callable[[Any, HandlerContext], float] = 0.0,
         then: Step | None = None,
+        annotation: str | None = None,
     ) -> Callable[..., Any]:
-        return handler(self.kind, calls, sleep=sleep, then=then)
+        return handler(self.kind, calls, sleep=sleep, then=then, annotation=annotation)
 
     def run_worker(self, app: App, *, close_app: bool = False, **options: Any) -> MemoryRunning:
         # As the real workers do: the app's own store, else the one its topology names.
