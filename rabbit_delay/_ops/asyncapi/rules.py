@@ -84,6 +84,16 @@ HEADERS: dict[str, tuple[dict[str, Any], str]] = {
         "The delivery attempt: 1 for the first, +1 per retry. Absent: 1.",
     ),
     h.H_TARGET: (_TEXT, "The routing key the message was published for (its business queue)."),
+    h.H_KEY: (
+        _TEXT,
+        "The message's schedule key (a topology with [schedule]; by default its "
+        "message_id): what cancel, reschedule and look-up name it by.",
+    ),
+    h.H_GENERATION: (
+        {"type": "integer", "minimum": 1},
+        "With rd-key: the key's generation this copy is (1, +1 per replace or "
+        "reschedule); a worker drops a copy whose key moved to a newer generation.",
+    ),
     h.H_CRASHES: (
         _COUNT,
         "Deliveries of this message lost while its handler may have run (a worker died); "
