@@ -30,6 +30,7 @@ import asyncio
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from rabbit_delay._errors import ConfigError
@@ -281,6 +282,21 @@ class _Statements:
         return (self.sql["purge"], {"low": low, "high": low + _PURGE_PAGES, "now": now_ms})
 
 
+def _single_claim(
+    sql: _Statements, item: ClaimItem, *, now_ms: int, lease_ms: int
+) -> _Request[ClaimResult]:
+    """One item's claim, for a batch that failed: its outcome alone."""
+    request = sql.claims([item], now_ms, lease_ms)
+    return _Request(request.statements, lambda results: request.read(results)[0])
+
+
+def _single_finish(
+    sql: _Statements, item: FinishItem, *, now_ms: int, retention_ms: int
+) -> _Request[None]:
+    """One item's finish, for a batch that failed."""
+    return _Request(sql.finishes([item], now_ms, retention_ms).statements, lambda _: None)
+
+
 def _then(first: _Request[T], second: _Request[R]) -> _Request[tuple[T, R]]:
     """Both requests in one round trip, `first`'s statements first."""
     n = len(first.statements)
@@ -448,8 +464,8 @@ class PostgresStore(_Base):
         valid, slots = _checked(items)
         chosen = [items[i] for i in valid]
         whole = self._sql.claims(chosen, now_ms, lease_ms)
-        each = [self._sql.claims([item], now_ms, lease_ms) for item in chosen]
-        outcomes = self._batch(whole, each, lambda r: r[0])
+        single = partial(_single_claim, self._sql, now_ms=now_ms, lease_ms=lease_ms)
+        outcomes = self._batch(whole, chosen, single)
         return _fill(slots, valid, outcomes)
 
     def finish_many(
@@ -460,8 +476,8 @@ class PostgresStore(_Base):
         valid, slots = _checked(items)
         chosen = [items[i] for i in valid]
         whole = self._sql.finishes(chosen, now_ms, retention_ms)
-        each = [self._sql.finishes([item], now_ms, retention_ms) for item in chosen]
-        outcomes = self._batch(whole, each, lambda r: None)
+        single = partial(_single_finish, self._sql, now_ms=now_ms, retention_ms=retention_ms)
+        outcomes = self._batch(whole, chosen, single)
         return _fill(slots, valid, outcomes)
 
     def finish_and_claim_many(
@@ -532,25 +548,23 @@ class PostgresStore(_Base):
             return self._run(request, rowcount=rowcount)
 
     def _batch(
-        self,
-        whole: _Request[list[R]],
-        each: Sequence[_Request[list[R]]],
-        first: Callable[[list[R]], Any],
-    ) -> list[Any]:
-        """`whole` in one round trip; when a statement fails (nothing was written), each
-        request alone, its error in its slot. A lost connection fails every item."""
-        if not each:
+        self, whole: _Request[list[R]], items: Sequence[T], single: Callable[[T], _Request[R]]
+    ) -> list[R | Exception]:
+        """`whole` (the batch of `items`) in one round trip; when a statement fails
+        (nothing was written), each item alone (`single(item)`), its error in its slot.
+        A lost connection fails every item."""
+        if not items:
             return []
         with self._lock:
             try:
                 return list(self._run(whole))
             except self._error as exc:
                 if self._conn is None:
-                    return [exc] * len(each)
-            outcomes: list[Any] = []
-            for request in each:
+                    return [exc] * len(items)
+            outcomes: list[R | Exception] = []
+            for item in items:
                 try:
-                    outcomes.append(first(self._run(request)))
+                    outcomes.append(self._run(single(item)))
                 except self._error as exc:
                     outcomes.append(exc)
             return outcomes
@@ -679,8 +693,8 @@ class AsyncPostgresStore(_Base):
         valid, slots = _checked(items)
         chosen = [items[i] for i in valid]
         whole = self._sql.claims(chosen, now_ms, lease_ms)
-        each = [self._sql.claims([item], now_ms, lease_ms) for item in chosen]
-        return _fill(slots, valid, await self._batch(whole, each, lambda r: r[0]))
+        single = partial(_single_claim, self._sql, now_ms=now_ms, lease_ms=lease_ms)
+        return _fill(slots, valid, await self._batch(whole, chosen, single))
 
     async def finish_many(
         self, items: Sequence[FinishItem], *, now_ms: int, retention_ms: int
@@ -689,8 +703,8 @@ class AsyncPostgresStore(_Base):
         valid, slots = _checked(items)
         chosen = [items[i] for i in valid]
         whole = self._sql.finishes(chosen, now_ms, retention_ms)
-        each = [self._sql.finishes([item], now_ms, retention_ms) for item in chosen]
-        return _fill(slots, valid, await self._batch(whole, each, lambda r: None))
+        single = partial(_single_finish, self._sql, now_ms=now_ms, retention_ms=retention_ms)
+        return _fill(slots, valid, await self._batch(whole, chosen, single))
 
     async def purge(self, *, now_ms: int) -> int:
         """See `PostgresStore.purge`. Raises `psycopg.Error`."""
@@ -726,24 +740,21 @@ class AsyncPostgresStore(_Base):
             return await self._run(request, rowcount=rowcount)
 
     async def _batch(
-        self,
-        whole: _Request[list[R]],
-        each: Sequence[_Request[list[R]]],
-        first: Callable[[list[R]], Any],
-    ) -> list[Any]:
+        self, whole: _Request[list[R]], items: Sequence[T], single: Callable[[T], _Request[R]]
+    ) -> list[R | Exception]:
         """See `PostgresStore._batch`."""
-        if not each:
+        if not items:
             return []
         async with self._locked():
             try:
                 return list(await self._run(whole))
             except self._error as exc:
                 if self._conn is None:
-                    return [exc] * len(each)
-            outcomes: list[Any] = []
-            for request in each:
+                    return [exc] * len(items)
+            outcomes: list[R | Exception] = []
+            for item in items:
                 try:
-                    outcomes.append(first(await self._run(request)))
+                    outcomes.append(await self._run(single(item)))
                 except self._error as exc:
                     outcomes.append(exc)
             return outcomes
