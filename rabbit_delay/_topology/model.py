@@ -261,12 +261,14 @@ class IdempotencyConfig(_Model):
     `lease` is how long a claim holds a key without being renewed; the workers renew it
     every lease / 3 while the handler runs, so it bounds how long a crashed worker
     blocks its messages, not how long a handler may run.
+
+    `url` is a network store's server: a Redis URL for "redis" (the local server when
+    absent), a PostgreSQL URL for "postgres" (required); a URL of the other kind is
+    refused.
     """
 
     store: Literal["sqlite", "memory", "redis", "postgres"] = "sqlite"
     path: str = Field(default=DEFAULT_IDEMPOTENCY_FILE, min_length=1, validate_default=True)
-    # The server of a network store: redis://... for "redis" (this default when absent),
-    # postgresql://... for "postgres" (required). Its scheme must fit the store.
     url: str = "redis://127.0.0.1:6379/0"
     lease: Duration = Field(default=DEFAULT_LEASE_MS, gt=0)
     retention: Duration = Field(default=DEFAULT_RETENTION_MS, gt=0)
