@@ -8,10 +8,14 @@ prefetch; every message is a JSON body with the headers a delayed message carrie
     async-memory   AsyncWorker: pydantic model, async handler, in-memory idempotency guard
     async-sqlite   AsyncWorker: the same with the SQLite guard (WAL file in a temp dir)
     async-redis    AsyncWorker with the Redis guard (a batch of claims per pipeline)
+    async-postgres AsyncWorker with the PostgreSQL guard (psycopg's async connection,
+                   a batch of claims per statement)
     raw-pika       pika BlockingChannel.basic_consume, basic_ack in the callback
     sync-memory    Worker (pika, handler threads): pydantic model, in-memory guard
     sync-sqlite    Worker with the SQLite guard (a prefetched batch per transaction)
     sync-redis     Worker with the Redis guard (a batch per pipeline)
+    sync-postgres  Worker with the PostgreSQL guard (a batch's finishes and claims in
+                   one round trip, one commit)
 
 The clock runs from the first delivery to the last handled one (connection set-up is
 not measured). The contenders take turns over several rounds and the median rate is
@@ -19,9 +23,11 @@ reported, because the machines this runs on are small and noisy. Each contender 
 reported as a ratio to its baseline: the memory guard to the raw client, the durable
 guards to the memory guard of the same worker. Targets: async-memory >= 0.85 x raw-aio,
 sync-memory >= 1.0 x raw-pika, the SQLite guard >= 0.75 x the memory guard for both
-workers; the Redis guard is measured (Redis on $RABBIT_DELAY_BENCH_REDIS, default
-redis://127.0.0.1:6379/0; skipped when unreachable). The topology (a unique namespace)
-and the Redis keys are deleted at the end.
+workers; the Redis and PostgreSQL guards are measured (Redis on
+$RABBIT_DELAY_BENCH_REDIS, default redis://127.0.0.1:6379/0; PostgreSQL on
+$RABBIT_DELAY_BENCH_POSTGRES, default postgresql://postgres@127.0.0.1:5432/test; each
+skipped when unreachable). The topology (a unique namespace), the Redis keys and the
+PostgreSQL table (a unique name) are deleted at the end.
 
     .venv/bin/python benchmarks/bench_consume.py            # full run, a few minutes
     .venv/bin/python benchmarks/bench_consume.py --quick    # smoke: small counts, < 1 min
@@ -60,7 +66,14 @@ from rabbit_delay._ops.delete.execute import delete_topology as sync_delete_topo
 from rabbit_delay._stores.redis import DEFAULT_REDIS_URL
 from rabbit_delay._topology.delays import Route
 from rabbit_delay._urls import broker_url, redact
-from rabbit_delay.stores import AsyncRedisStore, MemoryStore, RedisStore, SQLiteStore
+from rabbit_delay.stores import (
+    AsyncPostgresStore,
+    AsyncRedisStore,
+    MemoryStore,
+    PostgresStore,
+    RedisStore,
+    SQLiteStore,
+)
 from rabbit_delay.sync import Publisher, connected
 from rabbit_delay.sync import connect as sync_connect
 from rabbit_delay.sync import declare as sync_declare
@@ -94,10 +107,12 @@ BASELINE = {
     "async-memory": "raw-aio",
     "async-sqlite": "async-memory",
     "async-redis": "async-memory",
+    "async-postgres": "async-memory",
     "raw-pika": "raw-pika",
     "sync-memory": "raw-pika",
     "sync-sqlite": "sync-memory",
     "sync-redis": "sync-memory",
+    "sync-postgres": "sync-memory",
 }
 TARGETS = {"async-memory": 0.85, "sync-memory": 1.0, "async-sqlite": 0.75, "sync-sqlite": 0.75}
 
@@ -178,7 +193,9 @@ async def raw_aio(url: str, topology: Topology, n: int) -> float:
     return finish.rate()
 
 
-Store = MemoryStore | SQLiteStore | RedisStore | AsyncRedisStore
+Store = (
+    MemoryStore | SQLiteStore | RedisStore | AsyncRedisStore | PostgresStore | AsyncPostgresStore
+)
 
 
 def app_for(topology: Topology, store: Store, finish: Finish, *, asynchronous: bool) -> App:
@@ -269,6 +286,26 @@ def redis_reachable(url: str) -> bool:
     return True
 
 
+PG_DEFAULT = "postgresql://postgres@127.0.0.1:5432/test"
+
+
+def postgres_reachable(url: str) -> bool:
+    try:
+        import psycopg
+
+        psycopg.connect(url, connect_timeout=3).close()
+    except Exception:
+        return False
+    return True
+
+
+def drop_table(url: str, table: str) -> None:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f"DROP TABLE IF EXISTS {table}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small counts (smoke test, < 1 min)")
@@ -326,6 +363,20 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         log(f"Redis at {redact(redis_url)} unreachable: the Redis guard is not measured")
+    pg_url = os.environ.get("RABBIT_DELAY_BENCH_POSTGRES", PG_DEFAULT)
+    pg_table = f"bench_consume_{uuid.uuid4().hex[:8]}"
+    if postgres_reachable(pg_url):
+
+        def async_postgres() -> float:
+            store = AsyncPostgresStore(pg_url, table=pg_table)
+            return asyncio.run(async_worker(url, topology, n, store))
+
+        contenders["async-postgres"] = async_postgres
+        contenders["sync-postgres"] = lambda: sync_worker(
+            url, topology, n, PostgresStore(pg_url, table=pg_table)
+        )
+    else:
+        log(f"PostgreSQL at {redact(pg_url)} unreachable: the PostgreSQL guard is not measured")
     if args.only:
         wanted = {name.strip() for name in args.only.split(",") if name.strip()}
         unknown = wanted - set(contenders)
@@ -359,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
             store = RedisStore(redis_url, prefix=redis_prefix)
             store.purge(now_ms=1 << 62)  # every record of this run
             store.close()
+        if "sync-postgres" in contenders or "async-postgres" in contenders:
+            drop_table(pg_url, pg_table)
 
     medians = {name: statistics.median(values) for name, values in samples.items()}
     rows = []

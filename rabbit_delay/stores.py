@@ -8,8 +8,9 @@
 By default an app builds its store from the topology's `[idempotency]` table (SQLite,
 next to the topology file). Every store implements the `IdempotencyStore` protocol
 (`AsyncIdempotencyStore` for the async worker); `ClaimResult` is what a claim answers.
-`RedisStore` and `AsyncRedisStore` need the `redis` extra, imported only when one is
-created. `Guard` / `AsyncGuard` bind a store to a lease and a retention: what a worker
+`RedisStore` and `AsyncRedisStore` need the `redis` extra, `PostgresStore` and
+`AsyncPostgresStore` the `postgres` extra (psycopg 3), each imported only when a store
+is created. `Guard` / `AsyncGuard` bind a store to a lease and a retention: what a worker
 claims and records through, and what an application's own consumer may use (the inbox
 pattern). See docs/idempotency.md.
 """
@@ -22,18 +23,21 @@ from rabbit_delay._idempotency.guard import (
     IdempotencyStore,
 )
 from rabbit_delay._stores.memory import MemoryStore
+from rabbit_delay._stores.postgres import AsyncPostgresStore, PostgresStore
 from rabbit_delay._stores.redis import AsyncRedisStore, RedisStore
 from rabbit_delay._stores.sqlite import AsyncSQLiteStore, SQLiteStore
 
 __all__ = [
     "AsyncGuard",
     "AsyncIdempotencyStore",
+    "AsyncPostgresStore",
     "AsyncRedisStore",
     "AsyncSQLiteStore",
     "ClaimResult",
     "Guard",
     "IdempotencyStore",
     "MemoryStore",
+    "PostgresStore",
     "RedisStore",
     "SQLiteStore",
 ]

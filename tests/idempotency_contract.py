@@ -1,14 +1,17 @@
 """The behaviour every idempotency store must have, run against each implementation.
 
-Not a test module itself: tests/unit/test_idempotency.py (memory, SQLite) and
-tests/integration/test_idempotency_redis.py (sync and async Redis) subclass
-`StoreContract` and provide `new_store`, a factory of `AsyncIdempotencyStore`s that
-share one backend (one SQLite file, one Redis server). Synchronous stores run through
+Not a test module itself: tests/unit/test_idempotency.py (memory, SQLite),
+tests/integration/test_idempotency_redis.py (sync and async Redis) and
+tests/integration/test_idempotency_postgres.py (sync and async PostgreSQL, on the
+caller's clock and the server's) subclass `StoreContract` and provide `new_store`, a
+factory of `AsyncIdempotencyStore`s that share one backend (one SQLite file, one Redis
+server, one PostgreSQL table). Synchronous stores run through
 `SyncStoreAsAsync`, which calls them directly, so the contract exercises their own code.
 
 Times come from a fake clock (T0 + offsets), never from sleeping. A store that judges
-expiry by its server's clock (Redis) sets `caller_clock = False`: the tests that make
-time pass by handing a later `now_ms` skip for it, and its own module tests expiry.
+expiry by its server's clock (Redis, PostgreSQL by default) sets `caller_clock = False`:
+the tests that make time pass by handing a later `now_ms` skip for it, and its own
+module tests expiry.
 """
 
 from __future__ import annotations

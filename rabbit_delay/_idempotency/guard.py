@@ -50,11 +50,11 @@ class IdempotencyStore(Protocol):
     """Where claims, done-records and tombstones live. Synchronous.
 
     Times are epoch milliseconds passed in by the caller (a testable clock); a record
-    whose `expires_at` is at or before `now_ms` counts as absent. The Redis stores
-    ignore `now_ms` and judge by the server's clock, the one clock every worker shares.
-    Keys are namespaced by the store's prefix. Errors of the backend (`sqlite3.Error`,
-    `redis.RedisError`) propagate unchanged, except from the batch operations, which
-    return them in their slots.
+    whose `expires_at` is at or before `now_ms` counts as absent. The Redis stores (and
+    the PostgreSQL stores by default) ignore `now_ms` and judge by the server's clock,
+    the one clock every worker shares. Keys are namespaced by the store's prefix. Errors
+    of the backend (`sqlite3.Error`, `redis.RedisError`, `psycopg.Error`) propagate
+    unchanged, except from the batch operations, which return them in their slots.
     """
 
     @property

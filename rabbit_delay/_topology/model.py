@@ -31,6 +31,7 @@ from pydantic import (
 from rabbit_delay._durations import MAX_TTL_MS, format_ms, parse_ms, parse_positive_ms
 from rabbit_delay._errors import TopologyError
 from rabbit_delay._names import Names
+from rabbit_delay._urls import redact
 
 
 class QueueType(StrEnum):
@@ -274,6 +275,9 @@ class ScalingConfig(_Model):
 
 
 DEFAULT_IDEMPOTENCY_FILE = "rabbit-delay-idempotency.sqlite3"
+# The URL schemes each network store takes (what redis-py's from_url and libpq accept).
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+POSTGRES_SCHEMES = ("postgresql", "postgres")
 # How long a claim holds a key unrenewed, and how long a handled key is remembered.
 DEFAULT_LEASE_MS = 30_000
 DEFAULT_RETENTION_MS = 7 * 86_400_000
@@ -294,16 +298,21 @@ class IdempotencyConfig(_Model):
     `lease` is how long a claim holds a key without being renewed; the workers renew it
     every lease / 3 while the handler runs, so it bounds how long a crashed worker
     blocks its messages, not how long a handler may run.
+
+    `url` is a network store's server: a Redis URL for "redis" (the local server when
+    absent), a PostgreSQL URL for "postgres" (required); a URL of the other kind is
+    refused.
     """
 
-    store: Literal["sqlite", "memory", "redis"] = "sqlite"
-    """The store: `sqlite` (a file shared by the workers of one machine), `redis` (any
-    number of machines) or `memory` (one process)."""
+    store: Literal["sqlite", "memory", "redis", "postgres"] = "sqlite"
+    """The store: `sqlite` (a file shared by the workers of one machine), `redis` or
+    `postgres` (any number of machines) or `memory` (one process)."""
     path: str = Field(default=DEFAULT_IDEMPOTENCY_FILE, min_length=1, validate_default=True)
     """The SQLite file; a relative path is resolved against the topology file's
     directory."""
     url: str = "redis://127.0.0.1:6379/0"
-    """The Redis URL (`store = "redis"`)."""
+    """The server of `store = "redis"` (a `redis://` URL) or `store = "postgres"` (a
+    `postgresql://` URL, required)."""
     lease: Duration = Field(default=DEFAULT_LEASE_MS, gt=0)
     """How long a claim holds a key unrenewed; renewed every lease / 3 while the handler
     runs."""
@@ -315,6 +324,29 @@ class IdempotencyConfig(_Model):
     def _absolute_path(cls, value: str, info: ValidationInfo) -> str:
         base = (info.context or {}).get(BASE_DIR_CONTEXT)
         return os.path.abspath(os.path.join(base if base is not None else os.getcwd(), value))
+
+    @model_validator(mode="after")
+    def _url_fits_the_store(self) -> IdempotencyConfig:
+        scheme = self.url.partition("://")[0].lower() if "://" in self.url else ""
+        shown = redact(self.url)
+        if self.store == "postgres":
+            if "url" not in self.model_fields_set:
+                raise ValueError(
+                    'store = "postgres" needs the database\'s url, e.g. '
+                    'url = "postgresql://user:password@host:5432/dbname"'
+                )
+            if scheme not in POSTGRES_SCHEMES:
+                raise ValueError(
+                    f'store = "postgres": url {shown!r} is not a PostgreSQL URL; write '
+                    '"postgresql://user:password@host:5432/dbname"'
+                )
+        elif self.store == "redis" and scheme not in REDIS_SCHEMES:
+            hint = ' (a PostgreSQL URL: store = "postgres"?)' if scheme in POSTGRES_SCHEMES else ""
+            raise ValueError(
+                f'store = "redis": url {shown!r} is not a Redis URL{hint}; write '
+                '"redis://host:6379/0" (or rediss://, unix://)'
+            )
+        return self
 
 
 DEFAULT_SCHEDULE_GRACE_MS = 60_000

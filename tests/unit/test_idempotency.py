@@ -34,11 +34,13 @@ from rabbit_delay._stores.factory import as_async, async_store_from_config, stor
 from rabbit_delay._topology.model import IdempotencyConfig
 from rabbit_delay.stores import (
     AsyncIdempotencyStore,
+    AsyncPostgresStore,
     AsyncRedisStore,
     AsyncSQLiteStore,
     ClaimResult,
     IdempotencyStore,
     MemoryStore,
+    PostgresStore,
     RedisStore,
     SQLiteStore,
 )
@@ -645,6 +647,61 @@ async def test_async_store_from_config_builds_each_kind(tmp_path: Path) -> None:
     await redis_store.close()
 
 
+PG_URL = "postgresql://u:hunter2@127.0.0.1:1/db"
+
+
+async def test_postgres_stores_from_config_connect_on_first_use() -> None:
+    cfg = IdempotencyConfig(store="postgres", url=PG_URL)
+    store = store_from_config(cfg, prefix="p:")
+    assert isinstance(store, PostgresStore)
+    assert (store.prefix, store.table, store.server_clock) == (
+        "p:",
+        "rabbit_delay_idempotency",
+        True,
+    )
+    assert store.needs_purge
+    assert "hunter2" not in repr(store)
+    twin = as_async(store)
+    assert isinstance(twin, AsyncPostgresStore)
+    assert (twin.url, twin.prefix, twin.table) == (PG_URL, "p:", store.table)
+    store.close()
+    await twin.close()
+    async_store = async_store_from_config(cfg)
+    assert isinstance(async_store, AsyncPostgresStore)
+    await async_store.close()
+
+
+def test_postgres_store_refuses_a_bad_url_or_table_at_once() -> None:
+    with pytest.raises(ConfigError, match="invalid PostgreSQL URL") as info:
+        PostgresStore("postgresql://u:hunter2@db/x?no_such_parameter=1")
+    assert "hunter2" not in str(info.value)
+    with pytest.raises(ConfigError, match="invalid PostgreSQL table name"):
+        AsyncPostgresStore(PG_URL, table="1table")
+
+
+def test_postgres_store_without_psycopg_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # makes `import psycopg` fail
+    with pytest.raises(ConfigError, match="rabbit-delay\\[postgres\\]"):
+        PostgresStore(PG_URL)
+    with pytest.raises(ConfigError, match="rabbit-delay\\[postgres\\]"):
+        AsyncPostgresStore(PG_URL)
+
+
+def test_postgres_batch_splits_a_repeated_key_into_waves() -> None:
+    from rabbit_delay._stores.postgres import _waves
+
+    assert _waves(["a", "b", "a", "c", "a", "b"]) == [[0, 1, 3], [2, 5], [4]]
+    assert _waves([]) == []
+
+
+def test_postgres_store_needs_postgresql_14() -> None:
+    from rabbit_delay._stores.postgres import _server_version_ok
+
+    _server_version_ok(140_000)
+    with pytest.raises(ConfigError, match=r"PostgreSQL 14 or newer.*the server is 13"):
+        _server_version_ok(130_012)
+
+
 def test_as_async_gives_sqlite_group_commit(tmp_path: Path) -> None:
     with SQLiteStore(tmp_path / "idem.sqlite3") as store:
         assert isinstance(as_async(store), AsyncSQLiteStore)
@@ -668,12 +725,15 @@ def test_redis_store_without_redis_py_is_a_config_error(monkeypatch: pytest.Monk
         AsyncRedisStore()
 
 
-def test_importing_the_module_does_not_import_redis() -> None:
-    code = "import sys, rabbit_delay.stores; print('redis' in sys.modules)"
+def test_importing_the_module_does_not_import_redis_or_psycopg() -> None:
+    code = (
+        "import sys, rabbit_delay.stores, rabbit_delay._stores.factory; "
+        "print('redis' in sys.modules, 'psycopg' in sys.modules)"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "False False"
 
 
 def test_claim_result_values_are_stable() -> None:

@@ -342,6 +342,50 @@ def test_an_empty_sqlite_path_is_an_error(tmp_path: Path) -> None:
     assert "idempotency.path" in message
 
 
+# -- the network stores' url ------------------------------------------------------------------
+
+
+def test_a_postgres_store_takes_its_url(tmp_path: Path) -> None:
+    text = BASE + '[idempotency]\nstore = "postgres"\nurl = "postgresql://u:pw@db:5432/shop"\n'
+    cfg = load_topology(write(tmp_path, text)).idempotency
+    assert (cfg.store, cfg.url) == ("postgres", "postgresql://u:pw@db:5432/shop")
+    assert IdempotencyConfig(store="postgres", url="postgres://db/shop").url == "postgres://db/shop"
+
+
+def test_a_postgres_store_without_a_url_is_an_error(tmp_path: Path) -> None:
+    message = load_error(tmp_path, BASE + '[idempotency]\nstore = "postgres"\n')
+    assert 'idempotency: store = "postgres" needs the database\'s url' in message
+    assert "postgresql://user:password@host:5432/dbname" in message
+
+
+@pytest.mark.parametrize(
+    ("store", "url", "said"),
+    [
+        ("postgres", "redis://u:secret@h:6379/0", "is not a PostgreSQL URL"),
+        ("postgres", "db.example:5432", "is not a PostgreSQL URL"),
+        ("redis", "postgresql://u:secret@h/db", 'a PostgreSQL URL: store = "postgres"?'),
+        ("redis", "http://u:secret@h:6379", "is not a Redis URL"),
+    ],
+)
+def test_a_url_that_does_not_fit_the_store_is_an_error(
+    tmp_path: Path, store: str, url: str, said: str
+) -> None:
+    message = load_error(tmp_path, BASE + f'[idempotency]\nstore = "{store}"\nurl = "{url}"\n')
+    assert said in message
+    assert "secret" not in message
+
+
+def test_files_written_for_redis_and_sqlite_still_load(tmp_path: Path) -> None:
+    for extra in (
+        '[idempotency]\nstore = "redis"\n',  # the default url
+        '[idempotency]\nstore = "redis"\nurl = "rediss://h:6380/1"\n',
+        '[idempotency]\nstore = "redis"\nurl = "unix:///run/redis.sock"\n',
+        '[idempotency]\nstore = "sqlite"\nurl = "redis://h:6379/0"\n',  # url unused
+        '[idempotency]\nstore = "memory"\n',
+    ):
+        load_topology(write(tmp_path, BASE + extra))
+
+
 # -- [scaling] ------------------------------------------------------------------------------
 
 
