@@ -46,6 +46,7 @@ from rabbit_delay import (
     MissingObjectError,
     Reject,
     Retry,
+    ScheduleState,
     Topology,
 )
 from rabbit_delay import _headers as h
@@ -53,6 +54,7 @@ from rabbit_delay._broker import BrokerInfo
 from rabbit_delay._idempotency.guard import DEFAULT_PREFIX
 from rabbit_delay._stores.sqlite import DEFAULT_IDEMPOTENCY_TABLE
 from rabbit_delay.stores import ClaimResult, MemoryStore, SQLiteStore
+from rabbit_delay.sync import Schedule
 
 QUEUE = "orders.cancel"
 ASYNC_HANDLER_KINDS = ("async", "memory-async")  # kinds whose handlers are `async def`
@@ -346,6 +348,19 @@ def stored_state(topology: Topology, message_id: str) -> str | None:
     finally:
         conn.close()
     return None if row is None else str(row[0])
+
+
+def scheduled(tmp_path: Path, **schedule: Any) -> dict[str, Any]:
+    """A topology with [schedule], its records in a SQLite file of the test's own (the
+    publisher and the worker each open it, as two processes would)."""
+    path = tmp_path / "schedule.sqlite3"
+    return {"schedule": schedule, "idempotency": {"store": "sqlite", "path": str(path)}}
+
+
+def record_of(topology: Topology, key: str) -> Any:
+    """The key's schedule record, read from the file as another process would."""
+    with Schedule(topology) as schedule:
+        return schedule.lookup(key)
 
 
 def needs_handler_time(bench: Bench) -> None:
@@ -750,6 +765,121 @@ class WorkerBehaviour:
         assert any(key in w and "while its handler runs" in w for w in lost), warnings
         assert any(key in w and "finished after its lease was lost" in w for w in lost), warnings
         assert stored_state(topology, message_id) == "cancelled"  # done never overwrites it
+
+    # -- the schedule (a topology with [schedule]) -----------------------------------------
+
+    def test_a_reschedule_runs_only_the_new_generation_at_its_new_time(
+        self, bench: Bench, tmp_path: Path
+    ) -> None:
+        topology = bench.declared(**scheduled(tmp_path))
+        app = App(topology)
+        calls = bench.calls()
+        app.add_consumer(QUEUE, bench.handler(calls), model=CancelOrder)
+        worker = bench.run_worker(app, close_app=True)
+        with bench.publisher(topology) as publisher:
+            # later: due in 1s, moved to 3s; earlier: due in 3s, moved to 1s
+            publisher.publish_delayed({"order_id": 1}, "1s", queue=QUEUE, key="later")
+            publisher.publish_delayed({"order_id": 2}, "3s", queue=QUEUE, key="earlier")
+            moved_at = bench.now_ms()
+            assert publisher.schedule.reschedule("later", "3s") is ScheduleState.SCHEDULED
+            assert publisher.schedule.reschedule("earlier", "1s") is ScheduleState.SCHEDULED
+            # keep: the key is scheduled, so nothing is sent
+            kept = publisher.publish_delayed(
+                {"order_id": 3}, "1s", queue=QUEUE, key="later", on_conflict="keep"
+            )
+            assert kept.kept
+            assert kept.generation == 2
+
+        finished = calls.wait_finished(2)
+        bench.wait_for(lambda: worker.stats.superseded == 2, 10, "the 2 stale copies dropped")
+        worker.stop()
+        by_order = {c.message.order_id: c for c in finished}
+        assert sorted(by_order) == [1, 2]  # each once, and never the kept body
+        for order_id, key, delay_ms in ((1, "later", 3_000), (2, "earlier", 1_000)):
+            ctx = by_order[order_id].ctx
+            assert ctx.headers[h.H_GENERATION] == 2
+            assert ctx.scheduled_at is not None
+            due = int(ctx.scheduled_at.timestamp() * 1000)
+            assert due >= moved_at + delay_ms  # never early: not before the new due time
+            record = record_of(topology, key)
+            assert (record.state, record.generation) == (ScheduleState.HANDLED, 2)
+            assert (record.replaced, record.dropped) == (1, 1)
+        assert worker.stats.acked == 2
+
+    def test_debounce_runs_once_after_the_last_publish_and_cancel_drops_the_key(
+        self, bench: Bench, tmp_path: Path
+    ) -> None:
+        topology = bench.declared(**scheduled(tmp_path))
+        app = App(topology)
+        calls = bench.calls()
+        app.add_consumer(QUEUE, bench.handler(calls), model=CancelOrder)
+        worker = bench.run_worker(app, close_app=True)
+        with bench.publisher(topology) as publisher:
+            for n in range(10):  # the cart changed ten times: remind once, after the last
+                publisher.publish_delayed({"order_id": n}, "1s", queue=QUEUE, key="cart-7")
+            publisher.publish_delayed({"order_id": 99}, "1s", queue=QUEUE, key="paid-8")
+            assert app.cancel("paid-8") is ScheduleState.SCHEDULED  # paid: no timeout
+            assert app.cancel("never-published") is None
+
+        [call] = calls.wait_finished(1)
+        bench.wait_for(
+            lambda: worker.stats.superseded == 9 and worker.stats.cancelled == 1,
+            10,
+            "9 superseded and 1 cancelled copies dropped",
+        )
+        worker.stop()
+        assert call.message.order_id == 9
+        assert len(calls.started) == 1
+        cart = record_of(topology, "cart-7")
+        assert (cart.state, cart.generation, cart.replaced, cart.dropped) == (
+            ScheduleState.HANDLED,
+            10,
+            9,
+            9,
+        )
+        paid = record_of(topology, "paid-8")
+        assert (paid.state, paid.dropped) == (ScheduleState.CANCELLED, 1)
+
+    def test_the_record_follows_the_result_handled_retried_parked(
+        self, bench: Bench, tmp_path: Path
+    ) -> None:
+        topology = bench.declared(**scheduled(tmp_path), **retrying(tiers=["1s"], max_attempts=2))
+        app = App(topology)
+        calls = bench.calls()
+        failed_once: set[int] = set()
+
+        def steer(msg: CancelOrder, ctx: HandlerContext) -> None:
+            if msg.action == "reject":
+                raise Reject("no such order")
+            if msg.action == "flaky" and msg.order_id not in failed_once:
+                failed_once.add(msg.order_id)
+                raise ValueError("payment service down")
+
+        app.add_consumer(QUEUE, bench.handler(calls, then=steer), model=CancelOrder)
+        worker = bench.run_worker(app, close_app=True)
+        with bench.publisher(topology) as publisher:
+            publisher.publish_delayed({"order_id": 1}, "1s", queue=QUEUE, key="ok")
+            publisher.publish_delayed(
+                {"order_id": 2, "action": "flaky"}, "1s", queue=QUEUE, key="flaky"
+            )
+            publisher.publish_delayed(
+                {"order_id": 3, "action": "reject"}, "1s", queue=QUEUE, key="rejected"
+            )
+            bench.wait_for(
+                lambda: worker.stats.acked == 2 and worker.stats.parked == 1,
+                15,
+                "2 handled and 1 parked",
+            )
+        worker.stop()
+        ok, flaky, rejected = (record_of(topology, k) for k in ("ok", "flaky", "rejected"))
+        assert (ok.state, ok.attempts) == (ScheduleState.HANDLED, 0)
+        assert (flaky.state, flaky.attempts) == (ScheduleState.HANDLED, 1)
+        assert flaky.last_error == "ValueError: payment service down"
+        assert flaky.due_ms > ok.due_ms  # moved to the retry's due time
+        assert (rejected.state, rejected.attempts) == (ScheduleState.PARKED, 1)
+        assert rejected.last_error is not None
+        assert rejected.last_error.startswith("rejected: ")
+        assert all(r.expires_ms is not None for r in (ok, flaky, rejected))
 
     # -- lifecycle -----------------------------------------------------------------------
 

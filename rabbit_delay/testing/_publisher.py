@@ -14,6 +14,7 @@ from rabbit_delay._idempotency.guard import run
 from rabbit_delay._observe import tracing
 from rabbit_delay._publishing.core import PublisherCore, PublisherOptions
 from rabbit_delay._schedule_api.sync import Schedule
+from rabbit_delay._stores.factory import store_from_config
 from rabbit_delay._topology.model import Topology
 from rabbit_delay.testing._broker import NO_ROUTE, MemoryBroker
 
@@ -50,9 +51,16 @@ class _OnMemoryBroker(PublisherCore[OneT, ManyT], Generic[OneT, ManyT]):
     def __init__(
         self, topology: Topology, broker: MemoryBroker, **options: Unpack[PublisherOptions]
     ) -> None:
-        super().__init__(topology, borrowed=True, tracer=tracing.active, **options)
+        super().__init__(
+            topology, borrowed=True, tracer=tracing.active, book=self._open_book, **options
+        )
         self.broker = broker
         self._schedule: Schedule | None = None
+
+    def _open_book(self) -> Any:
+        """Without `store=`: the topology's [idempotency] store (a SQLite file is shared
+        with the workers that use it; a memory store would be this publisher's alone)."""
+        return store_from_config(self.topology.idempotency).schedule  # type: ignore[attr-defined]
 
     def now(self) -> int:
         return self.broker.now_ms()
