@@ -1,0 +1,261 @@
+"""The schedule on the real broker: what is lost in transit is recovered without user code
+(a purged buffer, a publisher killed between the record and the publish), a cancel
+holds however far the message is (from another process and directory too), and a
+cancel without the schedule still outlives its message.
+
+Each case runs both workers where the worker matters (KINDS)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pika
+import pytest
+from conftest import MakeTopology, wait_for
+
+from rabbit_delay import App, HandlerContext, ScheduleState, Topology
+from rabbit_delay.sync import Publisher, Schedule, connected, declare
+
+from .workers.harness import KINDS, RunningWorker
+
+pytestmark = pytest.mark.integration
+
+QUEUE = "orders.cancel"
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Seen:
+    """Every handler call by message body, thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bodies: Counter[bytes] = Counter()
+        self.headers: list[dict[str, Any]] = []
+
+    def handle(self, msg: bytes, ctx: HandlerContext) -> None:
+        with self._lock:
+            self.bodies[msg] += 1
+            self.headers.append(dict(ctx.headers))
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return sum(self.bodies.values())
+
+
+def schedule_data(tmp_path: Path, **schedule: Any) -> dict[str, Any]:
+    return {
+        "tiers": {"1s": "1s", "10s": "10s"},
+        # a binding both queues share: a keyed publish must name one queue
+        "queues": {QUEUE: {"bindings": ["fan.out"]}, "push": {"bindings": ["fan.out"]}},
+        "schedule": schedule,
+        "idempotency": {"store": "sqlite", "path": str(tmp_path / "schedule.sqlite3")},
+    }
+
+
+def schedule_topology(make_topology: MakeTopology, tmp_path: Path, **schedule: Any) -> Topology:
+    return make_topology(**schedule_data(tmp_path, **schedule))
+
+
+def topology_file(topology: Topology, tmp_path: Path, **schedule: Any) -> Path:
+    """The topology as a JSON file another process loads (`topology_from_dict`)."""
+    path = tmp_path / "topology.json"
+    path.write_text(
+        json.dumps({"namespace": topology.namespace, **schedule_data(tmp_path, **schedule)})
+    )
+    return path
+
+
+def declared(topology: Topology, url: str) -> None:
+    with connected(url) as connection:
+        declare(connection, topology)
+
+
+def purge(url: str, queue: str) -> int:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        return int(conn.channel().queue_purge(queue).method.message_count)
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_purged_buffer_is_recovered_by_the_sweeper_each_message_once(
+    kind: str, broker_url: str, make_topology: MakeTopology, tmp_path: Path
+) -> None:
+    topology = schedule_topology(make_topology, tmp_path, grace="2s", sweep_every="1s")
+    declared(topology, broker_url)
+    messages = 1_000
+    with Publisher(topology, broker_url) as publisher:
+        bodies = [{"order": n} for n in range(messages)]
+        ids = publisher.publish_many(bodies, "10s", queue=QUEUE)
+    assert len(set(ids)) == messages
+    # every message is lost in its buffer: what a purge, a lost classic queue or a broker
+    # restored from an old backup does
+    buffer = topology.tier_queues("10s")[0]
+    assert purge(broker_url, buffer) == messages
+
+    app = App(topology)
+    seen = Seen()
+    app.add_consumer(QUEUE, seen.handle)
+    worker = RunningWorker(kind, app, broker_url, close_app=True).start()
+    try:
+        wait_for(lambda: seen.total >= messages, 60, f"{messages} messages handled")
+        # a second sweep (every 1s) republishes nothing: every record is handled
+        wait_for(lambda: worker.worker.stats.acked >= messages, 10, "the handled messages acked")
+    finally:
+        worker.stop()
+    assert seen.total == messages  # lost 0, duplicates 0
+    assert all(n == 1 for n in seen.bodies.values())
+    with Schedule(topology) as schedule:
+        page = schedule.list(state="scheduled", limit=10)
+        assert page == []  # nothing still waits
+        record = schedule.lookup(ids[0])
+        assert record is not None
+        assert (record.state, record.republished) == (ScheduleState.HANDLED, 1)
+
+
+def test_a_publisher_killed_between_the_record_and_the_publish_loses_nothing(
+    broker_url: str, make_topology: MakeTopology, tmp_path: Path
+) -> None:
+    topology = schedule_topology(make_topology, tmp_path, grace="1s", sweep_every="1s")
+    declared(topology, broker_url)
+    path = topology_file(topology, tmp_path, grace="1s", sweep_every="1s")
+    script = textwrap.dedent(
+        f"""
+        import os, signal
+        from rabbit_delay import topology_from_dict
+        from rabbit_delay.sync import Publisher
+        import json, pathlib
+
+        topology = topology_from_dict(json.loads(pathlib.Path({str(path)!r}).read_text()))
+        publisher = Publisher(topology, {broker_url!r})
+
+        def die(*_args, **_kwargs):  # the record is written; the process dies before the send
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        publisher._tracked = die
+        publisher.publish_delayed({{"order": 42}}, "1s", queue={QUEUE!r}, key="order-42")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    assert done.returncode == -9, done.stderr.decode()
+    with Schedule(topology) as schedule:
+        record = schedule.lookup("order-42")
+    assert record is not None
+    assert record.state is ScheduleState.SCHEDULED  # recorded, never sent
+
+    app = App(topology)
+    seen = Seen()
+    app.add_consumer(QUEUE, seen.handle)
+    worker = RunningWorker("sync", app, broker_url, close_app=True).start()
+    try:
+        wait_for(lambda: seen.total >= 1, 30, "the message the sweeper republished")
+        wait_for(
+            lambda: Schedule(topology).lookup("order-42").state is ScheduleState.HANDLED,
+            10,
+            "the record handled",
+        )
+    finally:
+        worker.stop()
+    assert seen.bodies == Counter({b'{"order":42}': 1})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_cancel_from_another_process_and_directory_drops_the_message(
+    kind: str, broker_url: str, make_topology: MakeTopology, tmp_path: Path
+) -> None:
+    topology = schedule_topology(make_topology, tmp_path)
+    declared(topology, broker_url)
+    path = topology_file(topology, tmp_path)
+    app = App(topology)
+    seen = Seen()
+    app.add_consumer(QUEUE, seen.handle)
+    worker = RunningWorker(kind, app, broker_url, close_app=True).start()
+    try:
+        with Publisher(topology, broker_url) as publisher:
+            publisher.publish_delayed({"order": 1}, "10s", queue=QUEUE, key="order-1")
+            publisher.publish_delayed({"order": 2}, "10s", queue=QUEUE, key="order-2")
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        script = textwrap.dedent(
+            f"""
+            import json, pathlib
+            from rabbit_delay import topology_from_dict
+            from rabbit_delay.sync import Schedule
+
+            data = json.loads(pathlib.Path({str(path)!r}).read_text())
+            with Schedule(topology_from_dict(data)) as schedule:
+                print(schedule.cancel("order-1"))
+            """
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, cwd=elsewhere, timeout=60
+        )
+        assert done.returncode == 0, done.stderr.decode()
+        assert done.stdout.decode().strip() == "scheduled"
+        wait_for(lambda: worker.worker.stats.cancelled >= 1, 20, "the cancelled copy dropped")
+        wait_for(lambda: seen.total >= 1, 10, "the other message handled")
+    finally:
+        worker.stop()
+    assert seen.bodies == Counter({b'{"order":2}': 1})
+
+
+def test_without_the_schedule_a_cancel_outlives_the_retention(
+    broker_url: str, make_topology: MakeTopology, tmp_path: Path
+) -> None:
+    """The 10-second equivalent of "cancelled, it ran on day 30": a tombstone that lived
+    for the app's retention (2 s here) was gone when the message came due (10 s)."""
+    topology = make_topology(
+        tiers={"1s": "1s", "10s": "10s"},
+        idempotency={
+            "store": "sqlite",
+            "path": str(tmp_path / "idempotency.sqlite3"),
+            "retention": "2s",
+        },
+    )
+    declared(topology, broker_url)
+    app = App(topology)
+    assert app.tombstone_ms() >= 10_000 + app.lease_ms
+    seen = Seen()
+    app.add_consumer(QUEUE, seen.handle)
+    with Publisher(topology, broker_url) as publisher:
+        cancelled = publisher.publish_delayed({"order": 1}, "10s", queue=QUEUE)
+        publisher.publish_delayed({"order": 2}, "10s", queue=QUEUE)
+    assert app.cancel(cancelled) is None  # nothing is known without the schedule
+    worker = RunningWorker("sync", app, broker_url, close_app=True).start()
+    try:
+        wait_for(lambda: worker.worker.stats.cancelled >= 1, 30, "the cancelled copy dropped")
+        wait_for(lambda: seen.total >= 1, 10, "the other message handled")
+    finally:
+        worker.stop()
+    assert seen.bodies == Counter({b'{"order":2}': 1})
+
+
+def test_no_key_runs_twice_when_the_publish_is_refused_before_the_record(
+    broker_url: str, make_topology: MakeTopology, tmp_path: Path
+) -> None:
+    """Bad input is refused before anything is written: no record, no message."""
+    topology = schedule_topology(make_topology, tmp_path)
+    declared(topology, broker_url)
+    with Publisher(topology, broker_url) as publisher:
+        with pytest.raises(Exception, match="JSON values"):
+            publisher.publish_delayed(
+                {"order": 1}, "1s", queue=QUEUE, key="k", headers={"raw": b"\x00"}
+            )
+        with pytest.raises(Exception, match="non-empty string"):
+            publisher.publish_delayed({"order": 1}, "1s", queue=QUEUE, key="")
+        with pytest.raises(Exception, match="one queue"):
+            publisher.publish_delayed({"order": 1}, "1s", routing_key="fan.out", key="k2")
+    with Schedule(topology) as schedule:
+        assert schedule.lookup("k") is None
+        assert schedule.lookup("k2") is None
+    assert os.path.exists(topology.idempotency.path)
