@@ -181,7 +181,9 @@ class SQLSchedule:
         self.dialect = dialect
         t, q = table, dialect.sql
         self._get = q(f"SELECT {_COLUMNS}, {_PAYLOAD} FROM {t} WHERE scope = ? AND key = ?")
-        self._get_for_update = self._get + (" FOR UPDATE" if dialect.name == "postgres" else "")
+        self._lock_suffix = " FOR UPDATE" if dialect.name == "postgres" else ""
+        self._get_for_update = self._get + self._lock_suffix
+        self._get_many = f"SELECT {_COLUMNS}, {_PAYLOAD} FROM {t} WHERE scope = ? AND key IN"
         marks = ", ".join(["?"] * 19)
         self._insert = q(
             f"INSERT INTO {t} ({_COLUMNS}, {_PAYLOAD}) VALUES ({marks}) "
@@ -302,6 +304,50 @@ class SQLSchedule:
         return bool(changed == 1)
 
     def place_many(self, entries: Sequence[Entry], now_ms: int) -> Program[list[Placed]]:
+        """`rules.place` for each entry, in order: the existing records read at once
+        (one statement per `_KEYS_PER_READ` keys), the new ones inserted and the others
+        compare-and-set in one executemany each. When another writer changed a row in
+        between (PostgreSQL), the batch is placed again entry by entry."""
+        found: dict[tuple[str, str], ScheduleRecord] = {}
+        by_scope: dict[str, list[str]] = {}
+        for entry in entries:
+            by_scope.setdefault(entry.scope, []).append(entry.key)
+        for scope, keys in by_scope.items():
+            distinct = list(dict.fromkeys(keys))
+            for start in range(0, len(distinct), _KEYS_PER_READ):
+                chunk = distinct[start : start + _KEYS_PER_READ]
+                marks = ", ".join(["?"] * len(chunk))
+                sql = self.dialect.sql(f"{self._get_many} ({marks}){self._lock_suffix}")
+                for row in (yield Sql(sql, (scope, *chunk), "all")):
+                    found[(row[0], row[1])] = _record(row, with_payload=True)
+        original = dict(found)
+        latest: dict[tuple[str, str], ScheduleRecord] = {}
+        placed: list[Placed] = []
+        for entry in entries:
+            at = (entry.scope, entry.key)
+            answer, new = rules.place(found.get(at), entry, now_ms)
+            if new is not None:
+                found[at] = latest[at] = new
+            placed.append(answer)
+        inserts = [_row(r) for at, r in latest.items() if at not in original]
+        updates = [
+            (*_row(r)[2:], r.scope, r.key, original[at].generation, original[at].state.value)
+            for at, r in latest.items()
+            if at in original
+        ]
+        yield Sql("SAVEPOINT rd_place")
+        changed = 0
+        if inserts:
+            changed += (yield Sql(self._insert, inserts, "rowcount", many=True)) or 0
+        if updates:
+            changed += (yield Sql(self._cas, updates, "rowcount", many=True)) or 0
+        if changed != len(inserts) + len(updates):  # another writer got there first
+            yield Sql("ROLLBACK TO SAVEPOINT rd_place")
+            return (yield from self._place_each(entries, now_ms))
+        yield Sql("RELEASE SAVEPOINT rd_place")
+        return placed
+
+    def _place_each(self, entries: Sequence[Entry], now_ms: int) -> Program[list[Placed]]:
         placed: list[Placed] = []
         for entry in entries:
             for _ in range(_CAS_ATTEMPTS):
