@@ -259,3 +259,90 @@ def test_no_key_runs_twice_when_the_publish_is_refused_before_the_record(
         assert schedule.lookup("k") is None
         assert schedule.lookup("k2") is None
     assert os.path.exists(topology.idempotency.path)
+
+
+def test_the_outbox_relay_and_a_transfer_record_what_they_publish(
+    broker_url: str, make_topology: MakeTopology, tmp_path: Path
+) -> None:
+    import sqlite3
+
+    from rabbit_delay import topology_from_dict
+    from rabbit_delay._ops.transfer.execute import transfer
+    from rabbit_delay._ops.transfer.rules import Transfer
+    from rabbit_delay.outbox import Outbox, Relay
+    from rabbit_delay.sync import connect
+
+    topology = schedule_topology(make_topology, tmp_path)
+    declared(topology, broker_url)
+    # the outbox: a row of the application's transaction, recorded by the relay under its
+    # message_id as it publishes it
+    db = tmp_path / "shop.db"
+    conn = sqlite3.connect(db)
+    outbox = Outbox(topology)
+    outbox.install(conn)
+    conn.commit()
+    with conn:
+        outbox.add(conn, {"order": 7}, "10s", queue=QUEUE, message_id="order-7")
+    conn.close()
+    with Relay(topology, f"sqlite:///{db}", url=broker_url) as relay:
+        relay.run_once()
+    with Schedule(topology) as schedule:
+        relayed = schedule.lookup("order-7")
+    assert relayed is not None
+    assert (relayed.state, relayed.queue, relayed.generation) == (ScheduleState.SCHEDULED, QUEUE, 1)
+
+    # a transfer into a topology version with [schedule]: each moved message recorded
+    # under the key it carries (rd-key), its due time kept
+    target = topology_from_dict(
+        {"namespace": topology.namespace, "version": 2, **schedule_data(tmp_path / "v2")}
+    )
+    (tmp_path / "v2").mkdir()
+    declared(target, broker_url)
+    try:
+        source = connect(broker_url)
+        try:
+            with Publisher(target, broker_url) as target_publisher:
+                report = transfer(source, target_publisher, Transfer(topology, target))
+        finally:
+            source.close()
+        assert report.error is None, report.error
+        assert report.moved == 1
+        with Schedule(target) as schedule:
+            moved = schedule.lookup("order-7")
+        assert moved is not None
+        assert moved.state is ScheduleState.SCHEDULED
+        assert abs(moved.due_ms - relayed.due_ms) <= 1_000  # rounded to the target's tiers
+    finally:
+        from conftest import delete_topology
+
+        delete_topology(broker_url, target)
+
+
+async def test_the_async_publisher_and_schedule(
+    broker_url: str, make_topology: MakeTopology, tmp_path: Path
+) -> None:
+    from rabbit_delay.aio import AsyncPublisher, AsyncSchedule
+
+    topology = schedule_topology(make_topology, tmp_path)
+    declared(topology, broker_url)
+    async with AsyncPublisher(topology, broker_url) as publisher:
+        first = await publisher.publish_delayed({"n": 1}, "10s", queue=QUEUE, key="a-1")
+        assert (first.generation, first.placement.value) == (1, "created")
+        ids = await publisher.publish_many(
+            [{"n": 2}, {"n": 3}], "10s", queue=QUEUE, keys=["a-2", "a-3"]
+        )
+        assert [i.key for i in ids] == ["a-2", "a-3"]  # type: ignore[attr-defined]
+        schedule = publisher.schedule
+        assert (await schedule.lookup("a-2")).state is ScheduleState.SCHEDULED
+        assert await schedule.reschedule("a-2", "1s") is ScheduleState.SCHEDULED
+        assert (await schedule.lookup("a-2")).generation == 2
+        assert await schedule.cancel("a-3") is ScheduleState.SCHEDULED
+        page = await schedule.list(state="scheduled")
+        assert [r.key for r in page] == ["a-2", "a-1"]  # in due order
+        timeline = await schedule.timeline(span="1m", bucket="5s")
+        assert sum(n for _, n in timeline) == 2
+    # without a publisher, it reads, lists and cancels; reschedule needs one
+    async with AsyncSchedule(topology) as alone:
+        assert (await alone.lookup("a-1")).generation == 1
+        with pytest.raises(Exception, match="publishes"):
+            await alone.reschedule("a-1", "1s")
