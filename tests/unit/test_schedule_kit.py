@@ -105,3 +105,27 @@ def test_a_key_needs_the_schedule() -> None:
     app, _ = app_of(topology())
     with TestBroker(app) as broker, pytest.raises(ConfigError, match=r"\[schedule\]"):
         broker.publisher.publish_delayed({"o": 1}, "1s", queue=QUEUE, key="k")
+
+
+def test_a_store_failure_sends_nothing_and_raises_store_error() -> None:
+    import sqlite3
+
+    from rabbit_delay import StoreError
+    from rabbit_delay.stores import MemoryStore
+
+    class Broken(MemoryStore):
+        def __init__(self) -> None:
+            super().__init__()
+
+            def fail(*_args: Any, **_kwargs: Any) -> Any:
+                raise sqlite3.OperationalError("database is locked")
+
+            self.schedule.place_many = fail  # type: ignore[method-assign]
+
+    app, seen = app_of(topology(schedule={}))
+    with TestBroker(app, store=Broken()) as broker:
+        with pytest.raises(StoreError, match="none was sent.*database is locked"):
+            broker.publisher.publish_delayed({"o": 1}, "1s", queue=QUEUE, key="k")
+        broker.advance("1m")
+        assert seen == []
+        assert broker.outcomes(QUEUE) == []
