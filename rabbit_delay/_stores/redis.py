@@ -6,11 +6,20 @@ are strings `<kind>|<expires_at_ms>|<owner>` (kind `c` claim, `d` done, `x` tomb
 
 Expiry follows the server's clock (`TIME`), not the caller's: the workers of several
 hosts share one clock, so a host whose clock runs ahead cannot take over a live lease.
-The `now_ms` arguments are accepted for the protocol and ignored. Every key carries a
-Redis TTL so the server drops it on its own (no purge needed): a done-record or
-tombstone lives exactly its retention; a claim lives twice its lease, so that a late
-`renew` of a lease nobody took over still finds it (to the other owners, the claim has
-expired at the end of its lease all the same).
+The guard's `now_ms` arguments are accepted for the protocol and ignored (the
+schedule's are not: below). Every guard key carries a Redis TTL so the server drops it
+on its own (no purge needed): a done-record or tombstone lives exactly its retention; a
+claim lives twice its lease, so that a late `renew` of a lease nobody took over still
+finds it (to the other owners, the claim has expired at the end of its lease all the
+same).
+
+The schedule (`store.schedule`: `RedisSchedule` / `AsyncRedisSchedule`, see
+`rabbit_delay._stores.redis_schedule` for its keys, indexes and purge) lives under the
+same prefix, in `<prefix>sched:...` keys (the guard's keys an app writes begin with a
+business queue's name, never `sched:`). Its records follow the caller's clock, not the
+server's: their times are the application's (due, handled). `scheduled_batch` sends a
+worker's finishes and claims in one pipeline, each one script that does the guard's
+part and the schedule's check or update together.
 
 `redis` is imported when a store is created, so this module loads without it.
 """
@@ -21,7 +30,25 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from rabbit_delay._errors import ConfigError
-from rabbit_delay._idempotency.guard import DEFAULT_PREFIX, ClaimItem, ClaimResult, FinishItem
+from rabbit_delay._idempotency.guard import (
+    DEFAULT_PREFIX,
+    VERDICT_RESULT,
+    ClaimItem,
+    ClaimResult,
+    FinishItem,
+    ScheduledClaim,
+    ScheduledFinish,
+)
+from rabbit_delay._schedule.records import Verdict
+from rabbit_delay._stores import redis_schedule as schedule
+from rabbit_delay._stores.redis_schedule import (
+    PIGGYBACK,
+    AsyncRedisSchedule,
+    RedisSchedule,
+    ScheduleOps,
+    ScheduleScripts,
+    escape,
+)
 
 if TYPE_CHECKING:
     import redis
@@ -51,26 +78,48 @@ local function read()
 end
 """
 
-# KEYS[1]; ARGV: owner, lease ms, key TTL ms. Returns an index into _RESULTS.
-_CLAIM = (
-    _NOW
-    + _READ
-    + """
-local found, kind, exp, holder = read()
-if found then
-  if not kind then
-    return redis.error_reply('rabbit-delay: not an idempotency record: ' .. KEYS[1])
+# The guard's operations as Lua functions on KEYS[1], for its own scripts and for the
+# schedule's claim and finish (below). claim(owner, lease ms, key TTL ms) returns an
+# index into _RESULTS.
+_CLAIM_FN = """
+local function claim(owner, lease, ttl)
+  local found, kind, exp, holder = read()
+  if found then
+    if not kind then
+      return redis.error_reply('rabbit-delay: not an idempotency record: ' .. KEYS[1])
+    end
+    if exp > now then
+      if kind == 'd' then return 1 end
+      if kind == 'x' then return 3 end
+      if holder ~= owner then return 2 end
+    end
   end
-  if exp > now then
-    if kind == 'd' then return 1 end
-    if kind == 'x' then return 3 end
-    if holder ~= ARGV[1] then return 2 end
-  end
+  redis.call('SET', KEYS[1], record('c', lease, owner), 'PX', ttl)
+  return 0
 end
-redis.call('SET', KEYS[1], record('c', ARGV[2], ARGV[1]), 'PX', ARGV[3])
-return 0
 """
-)
+
+# complete(owner, retention ms): a live done-record or tombstone stays.
+_COMPLETE_FN = """
+local function complete(owner, retention)
+  local _, kind, exp = read()
+  if kind and kind ~= 'c' and exp > now then return 0 end
+  redis.call('SET', KEYS[1], record('d', retention, owner), 'PX', retention)
+  return 1
+end
+"""
+
+# release(owner): only the claim's holder may drop it. No clock needed.
+_RELEASE_FN = """
+local function release(owner)
+  local _, kind, _, holder = read()
+  if kind == 'c' and holder == owner then return redis.call('DEL', KEYS[1]) end
+  return 0
+end
+"""
+
+# KEYS[1]; ARGV: owner, lease ms, key TTL ms.
+_CLAIM = _NOW + _READ + _CLAIM_FN + "return claim(ARGV[1], ARGV[2], ARGV[3])\n"
 _RESULTS = (
     ClaimResult.CLAIMED,
     ClaimResult.DONE,
@@ -91,27 +140,11 @@ return 1
 """
 )
 
-# KEYS[1]; ARGV: owner, retention ms. A live done-record or tombstone stays.
-_COMPLETE = (
-    _NOW
-    + _READ
-    + """
-local _, kind, exp = read()
-if kind and kind ~= 'c' and exp > now then return 0 end
-redis.call('SET', KEYS[1], record('d', ARGV[2], ARGV[1]), 'PX', ARGV[2])
-return 1
-"""
-)
+# KEYS[1]; ARGV: owner, retention ms.
+_COMPLETE = _NOW + _READ + _COMPLETE_FN + "return complete(ARGV[1], ARGV[2])\n"
 
-# KEYS[1]; ARGV: owner. Only the claim's holder may drop it. No clock needed.
-_RELEASE = (
-    _READ
-    + """
-local _, kind, _, holder = read()
-if kind == 'c' and holder == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-)
+# KEYS[1]; ARGV: owner.
+_RELEASE = _READ + _RELEASE_FN + "return release(ARGV[1])\n"
 
 # KEYS[1]; ARGV: retention ms. Never shortens a tombstone.
 _CANCEL = (
@@ -145,6 +178,41 @@ return n
 )
 _SCAN_COUNT = 1_000
 
+# A scheduled delivery's claim. KEYS: the guard's key, the schedule record. ARGV: owner,
+# lease ms, key TTL ms, prefix, scope (escaped), generation, now (the caller's clock).
+# The schedule's verdict ("superseded", "cancelled", "handled"), else the claim's index
+# into _RESULTS.
+_SCHEDULED_CLAIM = (
+    _NOW
+    + _READ
+    + _CLAIM_FN
+    + schedule.LIB
+    + """
+P = ARGV[4]
+local verdict = check(KEYS[2], ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]))
+if verdict then return verdict end
+return claim(ARGV[1], ARGV[2], ARGV[3])
+"""
+)
+
+# A scheduled delivery's finish: the complete or release, and its Update. KEYS: the
+# guard's key, the schedule record. ARGV: owner, 1 (complete) or 0 (release), retention
+# ms, prefix, then `ScheduleOps.update_args` (the update is read, and checked, first).
+_SCHEDULED_FINISH = (
+    _NOW
+    + _READ
+    + _COMPLETE_FN
+    + _RELEASE_FN
+    + schedule.LIB
+    + """
+P = ARGV[4]
+local update = read_update(6)
+if ARGV[2] == '1' then complete(ARGV[1], ARGV[3]) else release(ARGV[1]) end
+finish(KEYS[2], ARGV[5], update)
+return 0
+"""
+)
+
 
 def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
@@ -175,7 +243,9 @@ _Call = tuple[Any, list[str], list[str | int]]
 
 
 class _RedisBase:
-    needs_purge = False  # every record carries a Redis TTL
+    # The guard's records carry a Redis TTL; the schedule's writes purge its expired
+    # records as they go (rabbit_delay._stores.redis_schedule).
+    needs_purge = False
 
     def __init__(self, prefix: str, lib: Any) -> None:
         self.prefix = prefix
@@ -196,6 +266,9 @@ class _RedisBase:
         self._release = client.register_script(_RELEASE)
         self._cancel = client.register_script(_CANCEL)
         self._purge = client.register_script(_PURGE)
+        self._scheduled_claim = client.register_script(_SCHEDULED_CLAIM)
+        self._scheduled_finish = client.register_script(_SCHEDULED_FINISH)
+        self._schedule_ops = ScheduleOps(self.prefix, ScheduleScripts(client))
         # what a batch may run, loaded before the first one (purge runs on its own)
         self._scripts: tuple[Any, ...] = (
             self._claim,
@@ -203,6 +276,9 @@ class _RedisBase:
             self._complete,
             self._release,
             self._cancel,
+            self._scheduled_claim,
+            self._scheduled_finish,
+            self._schedule_ops.scripts.purge,
         )
 
     @staticmethod
@@ -227,6 +303,50 @@ class _RedisBase:
             for key, owner, succeeded in items
         ]
 
+    def _scheduled_calls(
+        self,
+        finishes: Sequence[ScheduledFinish],
+        claims: Sequence[ScheduledClaim],
+        now_ms: int,
+        lease_ms: int,
+        retention_ms: int,
+    ) -> list[_Call]:
+        """One script call per finish, then per claim (the guard's own scripts for those
+        without an Update or Ref), then, when records were finished, a purge slice by
+        the caller's clock (at least twice as many records as were finished)."""
+        ops = self._schedule_ops
+        calls: list[_Call] = []
+        updates = 0
+        for key, owner, succeeded, update in finishes:
+            if update is None:
+                calls += self._finish_calls([(key, owner, succeeded)], retention_ms)
+                continue
+            updates += 1
+            keys = [self.prefix + key, ops.record_key(update.ref.scope, update.ref.key)]
+            args: list[str | int] = [owner, 1 if succeeded else 0, _ttl(retention_ms)]
+            args += [self.prefix, *ops.update_args(update, now_ms)]
+            calls.append((self._scheduled_finish, keys, args))
+        for key, owner, ref in claims:
+            if ref is None:
+                calls += self._claim_calls([(key, owner)], lease_ms)
+                continue
+            keys = [self.prefix + key, ops.record_key(ref.scope, ref.key)]
+            args = [*self._claim_args(owner, lease_ms), self.prefix, escape(ref.scope)]
+            args += [ref.generation, now_ms]
+            calls.append((self._scheduled_claim, keys, args))
+        if updates:
+            calls.append(ops.purge_call(now_ms, max(PIGGYBACK, 2 * updates)))
+        return calls
+
+    @staticmethod
+    def _scheduled_results(
+        replies: Sequence[Any], finishes: int, claims: int
+    ) -> tuple[list[Exception | None], list[ClaimResult | Exception]]:
+        # the purge slice's reply, if any, is left out: it has no slot
+        finished = [_finish_result(reply) for reply in replies[:finishes]]
+        claimed = [_claim_result(reply) for reply in replies[finishes : finishes + claims]]
+        return finished, claimed
+
     def _missing_scripts(self, replies: Sequence[Any]) -> list[int]:
         # NOSCRIPT: the server lost its script cache (restart, failover, SCRIPT FLUSH).
         # Such an item did not run, so sending it again is safe.
@@ -234,7 +354,11 @@ class _RedisBase:
 
 
 def _claim_result(reply: Any) -> ClaimResult | Exception:
-    return reply if isinstance(reply, Exception) else _RESULTS[int(reply)]
+    if isinstance(reply, Exception):
+        return reply
+    if isinstance(reply, bytes | str):  # the schedule's verdict
+        return VERDICT_RESULT[Verdict(reply.decode() if isinstance(reply, bytes) else reply)]
+    return _RESULTS[int(reply)]
 
 
 def _finish_result(reply: Any) -> Exception | None:
@@ -263,6 +387,7 @@ class RedisStore(_RedisBase):
         self._owns_client = client is None
         self.client: redis.Redis[bytes] = lib.Redis.from_url(url) if client is None else client
         self._register_scripts(self.client)
+        self.schedule = RedisSchedule(self._schedule_ops)
 
     def claim(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> ClaimResult:
         """See `IdempotencyStore.claim` (`now_ms` ignored). Raises `redis.RedisError`."""
@@ -303,14 +428,32 @@ class RedisStore(_RedisBase):
         calls = self._finish_calls(items, retention_ms)
         return [_finish_result(reply) for reply in self._pipeline(calls)]
 
-    def purge(self, *, now_ms: int) -> int:
-        """SCAN this prefix and delete records expired by the server's clock (`now_ms`
-        ignored); returns how many.
+    def scheduled_batch(
+        self,
+        finishes: Sequence[ScheduledFinish],
+        claims: Sequence[ScheduledClaim],
+        *,
+        now_ms: int,
+        lease_ms: int,
+        retention_ms: int,
+    ) -> tuple[list[Exception | None], list[ClaimResult | Exception]]:
+        """See `SchedulingStore.scheduled_batch`: one pipeline, one round trip; each
+        item one script, atomic with its schedule check or update (the guard's records
+        by the server's clock, the schedule's by `now_ms`)."""
+        calls = self._scheduled_calls(finishes, claims, now_ms, lease_ms, retention_ms)
+        return self._scheduled_results(self._pipeline(calls), len(finishes), len(claims))
 
-        Not needed in normal running (`needs_purge` is False): Redis expires records
-        itself. Walks the whole keyspace. Raises `redis.RedisError`.
+    def purge(self, *, now_ms: int) -> int:
+        """Delete the schedule's records expired by `now_ms` (`RedisSchedule.purge`),
+        then SCAN this prefix and delete the guard's records expired by the server's
+        clock; returns how many.
+
+        Not needed in normal running (`needs_purge` is False): Redis expires the guard's
+        records itself, and the schedule's writes purge what expired (see
+        `rabbit_delay._stores.redis_schedule`). Walks the whole keyspace. Raises
+        `redis.RedisError`.
         """
-        total = 0
+        total = self.schedule.purge(now_ms=now_ms)
         batch: Sequence[bytes]
         cursor = 0
         while True:
@@ -376,6 +519,7 @@ class AsyncRedisStore(_RedisBase):
             lib.asyncio.Redis.from_url(url) if client is None else client
         )
         self._register_scripts(self.client)
+        self.schedule = AsyncRedisSchedule(self._schedule_ops)
 
     async def claim(self, key: str, owner: str, *, now_ms: int, lease_ms: int) -> ClaimResult:
         """See `IdempotencyStore.claim` (`now_ms` ignored). Raises `redis.RedisError`."""
@@ -414,9 +558,23 @@ class AsyncRedisStore(_RedisBase):
         calls = self._finish_calls(items, retention_ms)
         return [_finish_result(reply) for reply in await self._pipeline(calls)]
 
+    async def scheduled_batch(
+        self,
+        finishes: Sequence[ScheduledFinish],
+        claims: Sequence[ScheduledClaim],
+        *,
+        now_ms: int,
+        lease_ms: int,
+        retention_ms: int,
+    ) -> tuple[list[Exception | None], list[ClaimResult | Exception]]:
+        """See `RedisStore.scheduled_batch`."""
+        calls = self._scheduled_calls(finishes, claims, now_ms, lease_ms, retention_ms)
+        replies = await self._pipeline(calls)
+        return self._scheduled_results(replies, len(finishes), len(claims))
+
     async def purge(self, *, now_ms: int) -> int:
         """See `RedisStore.purge`. Raises `redis.RedisError`."""
-        total = 0
+        total = await self.schedule.purge(now_ms=now_ms)
         batch: Sequence[bytes]
         cursor = 0
         while True:
