@@ -181,11 +181,6 @@ class AsyncSchedulingStore(Protocol):
     ) -> tuple[list[Exception | None], list[ClaimResult | Exception]]: ...
 
 
-def keeps_schedule(store: object) -> bool:
-    """True for a store with a schedule (`schedule` and `scheduled_batch`)."""
-    return getattr(store, "schedule", None) is not None and hasattr(store, "scheduled_batch")
-
-
 AnyStore = IdempotencyStore | AsyncIdempotencyStore
 _T = TypeVar("_T")
 _R = TypeVar("_R")

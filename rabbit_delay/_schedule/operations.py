@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +29,7 @@ from rabbit_delay._schedule import rules
 from rabbit_delay._schedule.messages import check_key, republished
 from rabbit_delay._schedule.records import (
     MAX_PAGE,
+    RECORD_STATES,
     Query,
     ScheduleRecord,
     ScheduleState,
@@ -135,9 +136,7 @@ class ScheduleCore:
             try:
                 chosen = ScheduleState(state)
             except ValueError:
-                names = ", ".join(
-                    s.value for s in ScheduleState if s is not ScheduleState.SUPERSEDED
-                )
+                names = ", ".join(s.value for s in RECORD_STATES)
                 raise ConfigError(f"unknown state {state!r}; states are: {names}") from None
             if chosen is ScheduleState.SUPERSEDED:
                 raise ConfigError(
@@ -306,10 +305,6 @@ def superseded_or(record: ScheduleRecord | None, generation: int | None) -> Sche
     if generation < record.generation:
         return dataclasses.replace(record, state=ScheduleState.SUPERSEDED)
     return None
-
-
-def utc_ms(at: datetime | None) -> int | None:
-    return None if at is None else int(at.astimezone(UTC).timestamp() * 1000)
 
 
 __all__ = ["DEFAULT_LEASE_MS", "ScheduleCore", "SweepResult", "cursor_of", "parse_cursor"]

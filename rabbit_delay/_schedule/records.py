@@ -43,7 +43,6 @@ RECORD_STATES = (
     ScheduleState.HANDLED,
     ScheduleState.PARKED,
 )
-FINISHED = frozenset({ScheduleState.CANCELLED, ScheduleState.HANDLED, ScheduleState.PARKED})
 
 
 class OnConflict(StrEnum):

@@ -216,19 +216,6 @@ def swept(
     )
 
 
-def lookup_generation(
-    record: ScheduleRecord | None, generation: int | None
-) -> ScheduleState | None:
-    """The state of one generation of a key (None: unknown)."""
-    if record is None:
-        return None
-    if generation is None or generation == record.generation:
-        return record.state
-    if generation < record.generation:
-        return ScheduleState.SUPERSEDED
-    return None
-
-
 # -- the sweeper's timing ----------------------------------------------------------------
 
 # Republishing a record again waits twice as long each time (grace x 2^n), up to this.

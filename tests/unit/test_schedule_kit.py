@@ -124,7 +124,7 @@ def test_a_store_failure_sends_nothing_and_raises_store_error() -> None:
 
     app, seen = app_of(topology(schedule={}))
     with TestBroker(app, store=Broken()) as broker:
-        with pytest.raises(StoreError, match="none was sent.*database is locked"):
+        with pytest.raises(StoreError, match=r"none was sent.*database is locked"):
             broker.publisher.publish_delayed({"o": 1}, "1s", queue=QUEUE, key="k")
         broker.advance("1m")
         assert seen == []
