@@ -25,6 +25,7 @@ from rabbit_delay._cli.publish import publish
 from rabbit_delay._cli.reconcile import reconcile
 from rabbit_delay._cli.relay import relay
 from rabbit_delay._cli.replay import replay
+from rabbit_delay._cli.scheduled import scheduled_app
 from rabbit_delay._cli.status import status
 from rabbit_delay._cli.transfer import transfer_command
 from rabbit_delay._cli.worker import worker
@@ -88,6 +89,7 @@ app.command()(reconcile)
 app.command()(relay)
 app.command("transfer")(transfer_command)
 app.add_typer(parked_app)
+app.add_typer(scheduled_app)
 
 
 def main() -> None:

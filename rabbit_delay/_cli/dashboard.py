@@ -88,7 +88,9 @@ def dashboard(
     """Serve a web UI: the topology as a picture with live depths and what needs
     attention (the rules of `status --check`), the age of each tier's oldest message,
     lateness histograms from the workers' metrics, and the parking lots (paged; a
-    message's traceback and body on demand). Nothing is moved unless --allow-actions.
+    message's traceback and body on demand). For a topology with a schedule: per queue
+    what comes due over the next hours, and a key's record. Nothing is moved unless
+    --allow-actions.
 
     Runs until Ctrl-C / SIGTERM. Exit code 1 when it cannot start (bad option, topology
     or URL, a non-loopback --host without --auth, the port taken).
@@ -166,6 +168,7 @@ def dashboard(
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+        backend.close()
     log.info("dashboard stopped")
     raise typer.Exit(0)
 

@@ -35,7 +35,8 @@ from rabbit_delay._envelope import JSON, Outgoing
 from rabbit_delay._ops.dashboard.execute import BrokerBackend
 from rabbit_delay._ops.dashboard.rules import TOKEN_HEADER, Auth
 from rabbit_delay._ops.dashboard.server import Dashboard, serve
-from rabbit_delay.sync import Publisher, connected, declare
+from rabbit_delay._schedule.records import ScheduleState
+from rabbit_delay.sync import Publisher, Schedule, connected, declare
 
 pytestmark = pytest.mark.integration
 
@@ -112,11 +113,13 @@ def dashboards(broker_url: str) -> Iterator[Start]:
     """start(topology, **Dashboard options): declared, served on a free port, stopped
     at the end (the topology itself is deleted by make_topology)."""
     servers = []
+    backends = []
 
     def start(topology: Topology, *, refresh_s: float = 30.0, **options: Any) -> Running:
         with connected(broker_url, name="rabbit-delay test declare") as connection:
             declare(connection, topology)
         backend = BrokerBackend(topology, [broker_url], every=refresh_s)
+        backends.append(backend)
         board = Dashboard(backend, refresh_s=refresh_s, **options)
         server, _thread = serve(board, "127.0.0.1", 0)
         servers.append(server)
@@ -129,6 +132,8 @@ def dashboards(broker_url: str) -> Iterator[Start]:
         for server in servers:
             server.shutdown()
             server.server_close()
+        for backend in backends:  # the schedule's store, when one was opened
+            backend.close()
 
 
 @pytest.fixture
@@ -322,6 +327,81 @@ def test_replay_and_purge_need_the_token(
     assert f"purged 4 message(s) from {lot}" in logged
     assert "missing or wrong action token" in logged
     assert run.board.token not in logged
+
+
+# -- the schedule ---------------------------------------------------------------------------
+
+
+def scheduled_topology(make_topology: MakeTopology, tmp_path: Path, **extra: Any) -> Topology:
+    """A topology with [schedule], its records in a SQLite file of the test's own."""
+    return make_topology(
+        tiers={"1m": "1m", "10m": "10m", "1h": "1h"},
+        schedule={},
+        idempotency={"path": str(tmp_path / "idem.sqlite3")},
+        **extra,
+    )
+
+
+def test_the_schedule_timeline_and_a_key_record(
+    make_topology: MakeTopology, dashboard: Start, broker_url: str, tmp_path: Path
+) -> None:
+    topology = scheduled_topology(make_topology, tmp_path)
+    run = dashboard(topology, refresh_s=1.0)
+    with Publisher(topology, url=broker_url) as publisher:
+        publisher.publish_many(
+            [{"i": i} for i in range(3)], "10m", queue="push", keys=["a", "b", "c"]
+        )
+        publisher.publish_delayed({"i": 8}, "1m", queue="push", key="soon")
+        publisher.publish_delayed({"order": 9}, "1h", queue="orders.cancel", key="order-9")
+    data = run.get("/api/schedule").json()
+    assert (data["error"], data["span_ms"], data["bucket_ms"]) == (None, 21_600_000, 900_000)
+    queues = {q["queue"]: q for q in data["queues"]}
+    assert set(queues) == {"push", "orders.cancel"}
+    push, cancel = queues["push"], queues["orders.cancel"]
+    assert len(push["buckets"]) == 24
+    assert [b["count"] for b in push["buckets"]] == [4] + [0] * 23  # 1m and 10m: the first 15m
+    # due 1h after the publish, which came before this read: the bucket 45m-60m
+    assert [b["count"] for b in cancel["buckets"]] == [0, 0, 0, 1] + [0] * 20
+    assert (push["total"], push["past_due"], cancel["total"]) == (4, 0, 1)
+    assert push["caption"] == "4 due in the next 6h"
+
+    found = run.get("/api/schedule/record?key=order-9")
+    assert found.code == 200, found.text
+    record = found.json()
+    assert (record["key"], record["state"], record["queue"]) == (
+        "order-9",
+        "scheduled",
+        "orders.cancel",
+    )
+    assert (record["generation"], record["body_bytes"]) == (1, len(b'{"order":9}'))  # compact JSON
+    unknown = run.get("/api/schedule/record?key=nope")
+    assert (unknown.code, unknown.json()["kind"]) == (404, "UnknownKey")
+    assert run.get("/api/schedule/record?key=" + "k" * 256).code == 400
+    page = run.get("/schedule?key=order-9")
+    assert page.code == 200
+    assert '<dd data-f="queue">orders.cancel</dd>' in page.text
+    assert run.get("/schedule?key=nope").code == 404
+    html = run.get("/").text
+    assert '<section id="schedule">' in html
+    assert "4 due in the next 6h" in html
+
+    # A cancel shows at the next read (at most once per refresh interval).
+    with Schedule(topology) as schedule:
+        assert schedule.cancel("a") is ScheduleState.SCHEDULED
+    cancelled = run.get("/api/schedule/record?key=a").json()
+    assert cancelled["state"] == "cancelled"  # a lookup is never cached
+    time.sleep(1.1)
+    again = {q["queue"]: q for q in run.get("/api/schedule").json()["queues"]}
+    assert again["push"]["total"] == 3
+
+
+def test_a_topology_without_a_schedule_has_no_schedule_pages(
+    make_topology: MakeTopology, dashboard: Start
+) -> None:
+    run = dashboard(make_topology())
+    assert run.get("/api/schedule").json()["kind"] == "no_schedule"
+    assert run.get("/api/schedule/record?key=k").code == 404
+    assert 'id="schedule"' not in run.get("/").text
 
 
 # -- who may ask ------------------------------------------------------------------------

@@ -5,7 +5,9 @@ It opens the overview, finds the tiers and depths set up, follows the parking lo
 a message's traceback, replays it through the page and sees a consumer on the business
 queue receive it, and saves a screenshot: into the test's tmp_path, or, with
 RABBIT_DELAY_UPDATE_SCREENSHOT=1, over the one the README shows (docs/images/dashboard.png),
-so a test run leaves the checkout as it was.
+so a test run leaves the checkout as it was. For a topology with [schedule] it sees each
+queue's timeline of what comes due (redrawn by the page's script as more is scheduled)
+and finds a key's record through the search box.
 Every request the page makes goes to the dashboard itself.
 
 Chromium missing is a failure saying what to install, never a skip: `.ci/run` and
@@ -179,3 +181,63 @@ def test_the_page_shows_the_topology_and_replays_a_message(
     assert requests
     assert all(url.startswith(run.base + "/") for url in requests), requests
     assert shutil.which("chromium") or Path(CHROMIUM).exists()
+
+
+def test_the_page_shows_the_schedule_and_finds_a_key(
+    browser: Any, make_topology: MakeTopology, dashboard: Start, broker_url: str, tmp_path: Path
+) -> None:
+    topology = make_topology(
+        tiers={"1m": "1m", "10m": "10m", "1h": "1h"},
+        queue_type="classic",
+        schedule={},
+        idempotency={"path": str(tmp_path / "idem.sqlite3")},
+    )
+    run = dashboard(topology, refresh_s=1.0)
+    with Publisher(topology, url=broker_url) as publisher:
+        publisher.publish_many(
+            [{"order": i} for i in range(3)], "10m", queue="push", keys=["o-1", "o-2", "o-3"]
+        )
+        publisher.publish_delayed({"order": 9}, "1h", queue="orders.cancel", key="order-9")
+    page = browser.new_page(viewport={"width": 1380, "height": 1000})
+    requests: list[str] = []
+    page.on("request", lambda request: requests.append(request.url))
+    try:
+        page.goto(run.base + "/")
+        page.wait_for_selector("body[data-ready='1']")
+        push = page.locator('#schedule figure[data-tq="push"]')
+        assert "3 due in the next 6h" in push.locator("figcaption").inner_text()
+        assert push.locator("rect.bar").count() == 24
+        tallest = push.locator('rect.bar[data-b="0"]')
+        assert tallest.get_attribute("height") == "90"  # all three in the first 15 minutes
+        cancel = page.locator('#schedule figure[data-tq="orders.cancel"]')
+        assert "1 due in the next 6h" in cancel.locator("figcaption").inner_text()
+        # The script draws the timelines again from /api/schedule: one more is seen.
+        with Publisher(topology, url=broker_url) as publisher:
+            publisher.publish_delayed({"order": 4}, "1h", queue="push", key="o-4")
+        page.wait_for_selector("body[data-schedule-at]", timeout=10_000)
+        wait_for(
+            lambda: "4 due in the next 6h" in push.locator("figcaption").inner_text(),
+            15,
+            "the page to redraw the push timeline",
+            interval=0.2,
+        )
+        assert push.locator('rect.bar[data-b="3"]').get_attribute("height") == "30"
+        page.locator("#schedule").screenshot(path=str(tmp_path / "schedule.png"))
+        # The search box: a key's record, then one the schedule does not know.
+        page.fill('#schedule-search input[name="key"]', "order-9")
+        page.click("#schedule-search button")
+        page.wait_for_selector("#schedule-record")
+        shown = page.locator("#schedule-record").inner_text()
+        assert "order-9" in shown
+        assert "scheduled" in shown
+        assert "orders.cancel" in shown
+        assert "(in 59m" in shown or "(in 1h)" in shown
+        assert page.locator('#schedule-record dd[data-f="generation"]').inner_text() == "1"
+        page.fill('#schedule-search input[name="key"]', "nope")
+        page.click("#schedule-search button")
+        page.wait_for_selector("#schedule-missing")
+        assert "unknown key 'nope'" in page.locator("#schedule-missing").inner_text()
+    finally:
+        page.close()
+    assert requests
+    assert all(url.startswith(run.base + "/") for url in requests), requests

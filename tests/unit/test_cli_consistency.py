@@ -42,7 +42,18 @@ COMMANDS = {
     "permissions": ["permissions", "worker"],
     "dashboard": ["dashboard"],
     "asyncapi": ["asyncapi"],
+    "scheduled reschedule": ["scheduled", "reschedule", "order-42", "--in", "5m"],
+    "scheduled sweep": ["scheduled", "sweep"],
 }
+# The commands that take a topology but no broker URL (they read its idempotency store).
+STORE_COMMANDS = {
+    "scheduled list": ["scheduled", "list"],
+    "scheduled show": ["scheduled", "show", "order-42"],
+    "scheduled cancel": ["scheduled", "cancel", "order-42"],
+}
+TOPOLOGY_COMMANDS = COMMANDS | STORE_COMMANDS
+# Command groups: their commands are two words (`scheduled list`).
+GROUPS = ("scheduled",)
 # The commands that also take the file as their FILE argument (as they always did).
 POSITIONAL = ("plan", "declare", "status", "replay", "dashboard", "asyncapi")
 GOOD_TOML = 'namespace = "shop"\n[tiers]\n1s = "1s"\n[queues.push]\n'
@@ -113,9 +124,9 @@ def test_python_dash_m_runs_the_cli() -> None:
 # -- JSON errors --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", COMMANDS, ids=list(COMMANDS))
+@pytest.mark.parametrize("command", TOPOLOGY_COMMANDS, ids=list(TOPOLOGY_COMMANDS))
 def test_json_errors_are_json_with_the_same_exit_code(command: str, bad_file: Path) -> None:
-    args = [*COMMANDS[command], "-f", str(bad_file)]
+    args = [*TOPOLOGY_COMMANDS[command], "-f", str(bad_file)]
     text = cli(*args)
     as_json = cli(*args, "--json")
     assert text.exit_code == as_json.exit_code == 1
@@ -155,8 +166,20 @@ def test_json_errors_are_redacted(good_file: Path) -> None:
         (["publish", "-q", "push"], "Missing argument 'message'"),
         (["status", "--url"], "requires an argument"),
         (["nosuchcommand"], "No such command 'nosuchcommand'"),
+        (["scheduled", "list", "--limit", "0"], "--limit"),
+        (["scheduled", "show"], "Missing argument 'key'"),
+        (["scheduled", "list", "--url", "amqp://h/"], "No such option: --url"),
     ],
-    ids=["unknown-option", "bad-value", "missing-argument", "option-without-value", "command"],
+    ids=[
+        "unknown-option",
+        "bad-value",
+        "missing-argument",
+        "option-without-value",
+        "command",
+        "scheduled-bad-value",
+        "scheduled-missing-key",
+        "scheduled-list-takes-no-url",
+    ],
 )
 def test_usage_errors_exit_1_and_are_json_under_json(args: list[str], words: str) -> None:
     text = cli(*args)
@@ -164,7 +187,8 @@ def test_usage_errors_exit_1_and_are_json_under_json(args: list[str], words: str
     assert words in text.stderr
     assert text.stdout == ""
     # --json before the bad part, where click has not parsed it yet
-    as_json = cli(args[0], "--json", *args[1:]) if args[0] != "nosuchcommand" else None
+    head = 2 if args[0] in GROUPS else 1
+    as_json = cli(*args[:head], "--json", *args[head:]) if args[0] != "nosuchcommand" else None
     if as_json is not None:
         assert as_json.exit_code == 1
         error = json_error(as_json)
@@ -213,11 +237,11 @@ def test_json_is_asked_for_by_the_flag_before_a_double_dash() -> None:
 
 
 @pytest.mark.parametrize("flag", ["-f", "--topology"])
-@pytest.mark.parametrize("command", COMMANDS, ids=list(COMMANDS))
+@pytest.mark.parametrize("command", TOPOLOGY_COMMANDS, ids=list(TOPOLOGY_COMMANDS))
 def test_every_command_takes_the_topology_as_dash_f(
     command: str, flag: str, bad_file: Path
 ) -> None:
-    result = cli(*COMMANDS[command], flag, str(bad_file))
+    result = cli(*TOPOLOGY_COMMANDS[command], flag, str(bad_file))
     assert result.exit_code == 1
     assert str(bad_file) in result.stderr  # the file given was the one read
     assert "colour: unknown key" in result.stderr
@@ -240,10 +264,11 @@ def test_a_topology_given_twice_is_refused(command: str, bad_file: Path, good_fi
 
 
 def test_every_command_help_shows_dash_f() -> None:
-    for args in COMMANDS.values():
-        result = cli(args[0], "--help")
+    for args in TOPOLOGY_COMMANDS.values():
+        command = args[:2] if args[0] in GROUPS else args[:1]
+        result = cli(*command, "--help")
         assert result.exit_code == 0
-        assert "--topology" in result.stdout, args[0]
+        assert "--topology" in result.stdout, command
 
 
 # -- broker URLs -------------------------------------------------------------------------

@@ -16,8 +16,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from rabbit_delay import ConfigError, Topology, topology_from_dict
 from rabbit_delay._ops.dashboard.rules import (
     MAX_PAGE,
+    PAST_DUE_CAP,
+    TIMELINE_BUCKET_MS,
+    TIMELINE_SPAN_MS,
     Auth,
     Poller,
+    Timeline,
     action_token_ok,
     check_binding,
     is_loopback,
@@ -25,11 +29,16 @@ from rabbit_delay._ops.dashboard.rules import (
     page_bounds,
     parse_auth,
     picture,
+    schedule_json,
+    schedule_key,
     snapshot_json,
     start_message,
+    timeline_labels,
+    timelines,
 )
 from rabbit_delay._ops.status.rules import PluginStore, QueueRole, Status, status_rows
 from rabbit_delay._plan.desired import desired
+from rabbit_delay._schedule.records import ScheduleRecord, ScheduleState
 from rabbit_delay.metrics import Metrics
 
 SECRET = "s3cret-pw"
@@ -314,6 +323,81 @@ def test_the_snapshot_json() -> None:
         names=t.names,
     )
     assert (empty["status"], empty["picture"], empty["error"]) == (None, [], "down")
+
+
+# -- the schedule -------------------------------------------------------------------------
+
+T0 = 1_796_150_400_000  # 2026-12-01T18:40:00.000Z
+
+
+def late(key: str, queue: str) -> ScheduleRecord:
+    return ScheduleRecord("pic.v1", key, 1, ScheduleState.SCHEDULED, queue, T0 - 1_000, "m", T0, T0)
+
+
+def test_a_timeline_per_queue_in_the_topology_order() -> None:
+    buckets = TIMELINE_SPAN_MS // TIMELINE_BUCKET_MS
+    assert buckets == 24  # the next 6h in 15m buckets
+    counts = {"push": [3, 0, 1] + [0] * 21, "orders": [0] * 24}
+    found = timelines(
+        ["orders", "push"],
+        counts,
+        [late("a", "push"), late("b", "push"), late("c", "orders")],
+        start_ms=T0,
+        bucket_ms=TIMELINE_BUCKET_MS,
+    )
+    assert [t.queue for t in found] == ["orders", "push"]
+    orders, push = found
+    assert (push.total, push.past_due, push.past_due_more) == (4, 2, False)
+    assert push.caption() == "4 due in the next 6h; 2 past due, not handled yet"
+    assert orders.caption() == "nothing due in the next 6h; 1 past due, not handled yet"
+    data = push.as_json()
+    assert data["queue"] == "push"
+    assert len(data["buckets"]) == 24
+    assert data["buckets"][0] == {"start": "2026-12-01T18:40:00.000Z", "start_ms": T0, "count": 3}
+    assert data["buckets"][2]["start"] == "2026-12-01T19:10:00.000Z"
+    assert (data["total"], data["past_due"], data["caption"]) == (4, 2, push.caption())
+    assert push.edges()[-1] == T0 + TIMELINE_SPAN_MS
+    quiet = Timeline("push", T0, TIMELINE_BUCKET_MS, (0,) * 24)
+    assert quiet.caption() == "nothing due in the next 6h"
+
+
+def test_past_due_is_counted_up_to_a_page() -> None:
+    many = [late(f"k{i}", "push") for i in range(PAST_DUE_CAP)]
+    (push,) = timelines(["push"], {}, many, start_ms=T0, bucket_ms=TIMELINE_BUCKET_MS)
+    assert (push.past_due, push.past_due_more) == (PAST_DUE_CAP, True)
+    assert push.counts == ()  # a queue the read did not count
+    assert push.caption().endswith(f"{PAST_DUE_CAP}+ past due, not handled yet")
+
+
+def test_timeline_labels_every_hour() -> None:
+    labels = timeline_labels(24, TIMELINE_BUCKET_MS)
+    assert labels[0] == "now"
+    assert [labels[i] for i in (4, 8, 20)] == ["+1h", "+2h", "+5h"]
+    assert [x for x in labels if x] == ["now", "+1h", "+2h", "+3h", "+4h", "+5h"]
+    assert timeline_labels(3, 30 * 60_000, 60 * 60_000) == ["now", "", "+1h"]
+
+
+def test_the_schedule_json() -> None:
+    t = Timeline("push", T0, TIMELINE_BUCKET_MS, (1,) + (0,) * 23)
+    data = schedule_json((t,), read_at_ms=T0, age=0.25, error=None, refresh_s=5)
+    assert (data["span_ms"], data["bucket_ms"], data["read_at_ms"]) == (
+        TIMELINE_SPAN_MS,
+        TIMELINE_BUCKET_MS,
+        T0,
+    )
+    assert [q["queue"] for q in data["queues"]] == ["push"]
+    failed = schedule_json(None, read_at_ms=None, age=None, error="store down", refresh_s=5)
+    assert (failed["queues"], failed["error"]) == ([], "store down")
+
+
+def test_a_searched_key_is_a_schedule_key() -> None:
+    assert schedule_key("order-42") == "order-42"
+    with pytest.raises(ConfigError, match=r"\?key=KEY"):
+        schedule_key(None)
+    with pytest.raises(ConfigError, match="key is empty"):
+        schedule_key("")
+    with pytest.raises(ConfigError, match="key is 256 bytes long"):
+        schedule_key("k" * 256)
 
 
 # -- one poller for every client --------------------------------------------------------

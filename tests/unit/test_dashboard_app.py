@@ -17,19 +17,28 @@ from wsgiref.util import setup_testing_defaults
 import pytest
 from typer.testing import CliRunner
 
-from rabbit_delay import BrokerUnavailable, MissingObjectError, Topology
+from rabbit_delay import BrokerUnavailable, MissingObjectError, StoreError, Topology
 from rabbit_delay._cli.app import app
-from rabbit_delay._ops.dashboard.rules import TOKEN_HEADER, Auth
+from rabbit_delay._ops.dashboard.rules import (
+    TIMELINE_BUCKET_MS,
+    TOKEN_HEADER,
+    Auth,
+    Timeline,
+    timelines,
+)
 from rabbit_delay._ops.dashboard.server import CSP, Dashboard
 from rabbit_delay._ops.parked.rules import ParkedDetail, ParkedPage, find, page
 from rabbit_delay._ops.replay.rules import Moved, ReplayReport
 from rabbit_delay._ops.status.rules import Status
 from rabbit_delay._ops.stored import Stored
+from rabbit_delay._schedule.records import Payload, ScheduleRecord, ScheduleState
 
 from .test_dashboard import Counts, a_status, a_topology
 
 SECRET = "s3cret-pw"
 TOKEN_SECRET = "t0ken-s3cret"
+T0 = 1_796_150_400_000  # 2026-12-01T18:40:00.000Z
+XSS = '<script>alert("k")</script>'
 
 
 def stored(i: int) -> Stored:
@@ -58,6 +67,11 @@ class FakeBackend:
     replays: list[tuple[str, str | None, str | None]] = field(default_factory=list)
     purges: list[str] = field(default_factory=list)
     down: bool = False
+    # the schedule (a topology with [schedule])
+    records: dict[str, ScheduleRecord] = field(default_factory=dict)
+    schedule_reads: int = 0
+    lookups: list[str] = field(default_factory=list)
+    store_down: bool = False
 
     def read_status(self) -> Status:
         self.status_reads += 1
@@ -94,6 +108,44 @@ class FakeBackend:
     def purge(self, queue: str) -> tuple[str, int]:
         self.purges.append(queue)
         return self._lot(queue), len(self.messages)
+
+    def _store(self) -> None:
+        if self.store_down:
+            raise StoreError(
+                f"the schedule's store failed: cannot reach postgresql://rd:{SECRET}@db/rd"
+            )
+
+    def read_schedule(self) -> tuple[Timeline, ...]:
+        self.schedule_reads += 1
+        self._store()
+        counts = {"push": [2, 0, 5] + [0] * 21, "orders": [0] * 24}
+        late = [record("late", due_ms=T0 - 60_000)]
+        return timelines(
+            self.topology.queues, counts, late, start_ms=T0, bucket_ms=TIMELINE_BUCKET_MS
+        )
+
+    def schedule_record(self, key: str) -> ScheduleRecord | None:
+        self.lookups.append(key)
+        self._store()
+        return self.records.get(key)
+
+
+def record(key: str, **changes: Any) -> ScheduleRecord:
+    fields: dict[str, Any] = {
+        "scope": "pic.v1",
+        "key": key,
+        "generation": 1,
+        "state": ScheduleState.SCHEDULED,
+        "queue": "push",
+        "due_ms": T0 + 5 * 60_000,
+        "message_id": f"id-{key}",
+        "created_ms": T0,
+        "updated_ms": T0,
+        "sweep_ms": T0 + 6 * 60_000,
+        "payload": Payload(b'{"order": 42}', "application/json"),
+    }
+    fields.update(changes)
+    return ScheduleRecord(**fields)
 
 
 @dataclass
@@ -155,8 +207,8 @@ def call(
     return Answer(seen["status"], seen["headers"], b"".join(chunks))
 
 
-def make(**options: Any) -> tuple[Dashboard, FakeBackend]:
-    backend = FakeBackend(a_topology())
+def make(*, schedule: bool = False, **options: Any) -> tuple[Dashboard, FakeBackend]:
+    backend = FakeBackend(a_topology(schedule={}) if schedule else a_topology())
     options.setdefault("refresh_s", 5.0)
     board = Dashboard(backend, port=8765, **options)
     return board, backend
@@ -418,6 +470,126 @@ def test_secrets_never_reach_pages_answers_or_logs(caplog: pytest.LogCaptureFixt
     for text in [*texts, caplog.text]:
         assert SECRET not in text
     assert backend.status_reads == 1
+
+
+# -- the schedule ---------------------------------------------------------------------------
+
+
+def test_a_topology_without_a_schedule_shows_nothing_new() -> None:
+    board, backend = make()
+    html = call(board, "/").text
+    assert 'id="schedule"' not in html
+    assert "/schedule" not in html
+    for path in ("/api/schedule", "/api/schedule/record?key=k"):
+        answer = call(board, path)
+        assert answer.code == 404, path
+        assert answer.json()["kind"] == "no_schedule"
+        assert "has no schedule" in answer.json()["error"]
+    assert call(board, "/schedule?key=k").code == 404
+    assert "schedule" not in call(board, "/api/snapshot").json()
+    assert backend.schedule_reads == 0
+    assert backend.lookups == []
+
+
+def test_the_overview_shows_what_comes_due_and_a_search_box() -> None:
+    board, backend = make(schedule=True)
+    html = call(board, "/").text
+    assert '<section id="schedule">' in html
+    assert '<form class="search" id="schedule-search" method="get" action="/schedule">' in html
+    assert 'data-queues="orders,push"' in html
+    assert '<figure class="series" data-tq="push">' in html
+    assert "7 due in the next 6h; 1 past due, not handled yet" in html
+    assert "nothing due in the next 6h" in html  # orders
+    assert html.count('<rect class="bar"') == 48  # two queues, 24 buckets each
+    assert ">now</text>" in html
+    assert ">+1h</text>" in html
+    assert "2026-12-01T18:40:00.000Z to 2026-12-01T18:55:00.000Z: 2" in html
+    for _ in range(10):  # read at most once per refresh interval, like the snapshot
+        call(board, "/")
+        call(board, "/api/schedule")
+    assert backend.schedule_reads == 1
+
+
+def test_the_schedule_api() -> None:
+    board, backend = make(schedule=True)
+    backend.records["order-42"] = record("order-42")
+    data = call(board, "/api/schedule").json()
+    assert (data["span_ms"], data["bucket_ms"], data["error"]) == (21_600_000, 900_000, None)
+    assert data["read_at_ms"] > 0
+    push = {q["queue"]: q for q in data["queues"]}["push"]
+    assert [b["count"] for b in push["buckets"][:3]] == [2, 0, 5]
+    assert (push["total"], push["past_due"]) == (7, 1)
+    found = call(board, "/api/schedule/record?key=order-42")
+    assert found.code == 200
+    assert found.json() == backend.records["order-42"].as_dict()
+    assert found.json()["body_bytes"] == 13
+    unknown = call(board, "/api/schedule/record?key=nope")
+    assert unknown.code == 404
+    assert unknown.json() == {
+        "error": "unknown key 'nope': never scheduled, or purged after its retention",
+        "kind": "UnknownKey",
+    }
+    for query in ("", "?key=", "?key=" + "k" * 256):
+        bad = call(board, "/api/schedule/record" + query)
+        assert bad.code == 400, query
+        assert bad.json()["kind"] == "ConfigError"
+    assert backend.lookups == ["order-42", "nope"]  # a bad key never reaches the store
+    spaced = call(board, "/api/schedule/record?key=order%2042%2F%C3%A9")
+    assert spaced.code == 404
+    assert "'order 42/é'" in spaced.json()["error"]  # decoded once, as UTF-8
+
+
+def test_the_key_page_shows_a_record_or_says_it_is_unknown() -> None:
+    board, backend = make(schedule=True)
+    backend.records[XSS] = record(XSS, last_error=f"boom at amqp://u:{SECRET}@h/")
+    empty = call(board, "/schedule")
+    assert empty.code == 200
+    assert 'id="schedule-search"' in empty.text
+    assert "schedule-record" not in empty.text
+    quoted = "%3Cscript%3Ealert(%22k%22)%3C%2Fscript%3E"
+    found = call(board, f"/schedule?key={quoted}")
+    assert found.code == 200
+    assert "<script>alert" not in found.text  # escaped everywhere: the title, the box, the page
+    assert "&lt;script&gt;alert(&quot;k&quot;)&lt;/script&gt;" in found.text
+    assert '<dl id="schedule-record">' in found.text
+    assert '<dd data-f="state">scheduled</dd>' in found.text
+    assert '<dd data-f="body">13 bytes (application/json)</dd>' in found.text
+    assert "amqp://u:***@h/" in found.text
+    assert SECRET not in found.text
+    missing = call(board, "/schedule?key=nope")
+    assert missing.code == 404
+    assert '<p class="error" id="schedule-missing">unknown key &#x27;nope&#x27;' in missing.text
+    assert call(board, "/schedule?key=" + "k" * 256).code == 400
+
+
+def test_a_store_that_fails_is_shown_not_a_crash() -> None:
+    board, backend = make(schedule=True, refresh_s=1.0)
+    backend.store_down = True
+    data = call(board, "/api/schedule").json()
+    assert data["queues"] == []
+    assert "cannot reach postgresql://rd:***@db/rd" in data["error"]
+    html = call(board, "/")
+    assert html.code == 200
+    assert "cannot reach postgresql://rd:***@db/rd" in html.text
+    assert "ready 120" in html.text  # the broker's part is still there
+    lookup = call(board, "/api/schedule/record?key=k")
+    assert lookup.code == 503
+    assert lookup.json()["kind"] == "StoreError"
+    page_answer = call(board, "/schedule?key=k")
+    assert page_answer.code == 503
+    for text in (json.dumps(data), html.text, lookup.text, page_answer.text):
+        assert SECRET not in text
+
+
+def test_the_schedule_pages_load_nothing_from_elsewhere() -> None:
+    board, backend = make(schedule=True)
+    backend.records["k"] = record("k")
+    for path in ("/", "/schedule", "/schedule?key=k", "/schedule?key=nope"):
+        html = call(board, path).text
+        for attr in re.findall(r'\s(?:src|href|action)="([^"]*)"', html):
+            assert attr.startswith(("/", "?", "#")), (path, attr)
+        assert "style=" not in html
+        assert "<script>" not in html
 
 
 # -- the command ------------------------------------------------------------------------

@@ -192,6 +192,7 @@ _ELSEWHERE = {
     ("retry", "_observe/tracing.py"),  # the name of a span ("retry {queue}")
     ("parked", "_cli/"),  # a column or field of the CLI's own output
     ("parked", "_ops/"),  # the dashboard's parking lot pages
+    ("cancelled", "_ops/scheduled/"),  # `scheduled cancel --json`: was the key cancelled
     ("retried", "_cli/relay.py"),  # the relay's JSON field (outbox rows), not a delivery
     ("stale", "_consumer/delivery.py"),  # Signal.STALE: a driver's reply
 }

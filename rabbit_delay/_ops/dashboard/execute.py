@@ -1,5 +1,7 @@
 """The dashboard's broker side, on pika: the same calls `status`, `parked` and `replay`
-make, behind one object the HTTP layer (`rabbit_delay._ops.dashboard.server`) is given.
+make, behind one object the HTTP layer (`rabbit_delay._ops.dashboard.server`) is given;
+and, for a topology with [schedule], its schedule's store (`Schedule.timeline` and
+`Schedule.lookup`, as `rabbit-delay scheduled` reads them).
 
 Each operation opens its own connection (a WSGI server answers from several threads; a
 pika connection belongs to one), and every operation on one parking lot holds that lot's
@@ -16,17 +18,29 @@ import threading
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import KW_ONLY, dataclass, field
+from datetime import UTC, datetime, timedelta
 
 import pika
 
 import rabbit_delay._ops.parked.rules as parked
-from rabbit_delay._ops.dashboard.rules import Poller
+from rabbit_delay._envelope import now_ms
+from rabbit_delay._ops.dashboard.rules import (
+    PAST_DUE_CAP,
+    TIMELINE_BUCKET_MS,
+    TIMELINE_SPAN_MS,
+    Poller,
+    Timeline,
+    timelines,
+)
 from rabbit_delay._ops.parked.execute import peek_lot, purge_parked
 from rabbit_delay._ops.replay.execute import replay_parked
 from rabbit_delay._ops.replay.rules import ReplayReport
+from rabbit_delay._ops.scheduled.rules import check_store
 from rabbit_delay._ops.status.execute import read_status
 from rabbit_delay._ops.status.rules import Status
 from rabbit_delay._ops.stored import Stored
+from rabbit_delay._schedule.records import ScheduleRecord, ScheduleState
+from rabbit_delay._schedule_api.sync import Schedule
 from rabbit_delay._sync.connection import connected
 from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import redact
@@ -56,6 +70,7 @@ class BrokerBackend:
     _lots: dict[str, Poller[Lot]] = field(default_factory=dict, init=False, repr=False)
     _locks: dict[str, threading.Lock] = field(default_factory=dict, init=False, repr=False)
     _guard: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _schedule: Schedule | None = field(default=None, init=False, repr=False)
 
     # -- status ---------------------------------------------------------------------------
 
@@ -124,6 +139,52 @@ class BrokerBackend:
             poller = self._lots.get(lot)
         if poller is not None:
             poller.invalidate()
+
+    # -- the schedule -----------------------------------------------------------------------
+
+    def _opened_schedule(self) -> Schedule:
+        """The topology's schedule, its store opened on first use and kept (the store is
+        thread-safe: SQLite serialises its one connection, the network stores pool).
+        Raises ConfigError for a topology whose schedule cannot be read from here."""
+        with self._guard:
+            if self._schedule is None:
+                check_store(self.topology)
+                self._schedule = Schedule(self.topology)
+            return self._schedule
+
+    def read_schedule(self) -> tuple[Timeline, ...]:
+        """Per queue, how many scheduled records come due in each bucket of the next
+        hours (`Schedule.timeline`), and how many are still scheduled past their due
+        time (one page of the list, at most PAST_DUE_CAP). Raises StoreError, ConfigError."""
+        schedule = self._opened_schedule()
+        start = now_ms()
+        at = datetime.fromtimestamp(start / 1000, UTC)
+        span, bucket = (
+            timedelta(milliseconds=TIMELINE_SPAN_MS),
+            timedelta(milliseconds=TIMELINE_BUCKET_MS),
+        )
+        counts = {
+            queue: [
+                n for _, n in schedule.timeline(queue=queue, start=at, span=span, bucket=bucket)
+            ]
+            for queue in self.topology.queues
+        }
+        late = schedule.list(state=ScheduleState.SCHEDULED, due_before=at, limit=PAST_DUE_CAP)
+        return timelines(
+            self.topology.queues, counts, late, start_ms=start, bucket_ms=TIMELINE_BUCKET_MS
+        )
+
+    def schedule_record(self, key: str) -> ScheduleRecord | None:
+        """A key's record (`Schedule.lookup`), None when the key is unknown. Raises
+        StoreError, ConfigError."""
+        return self._opened_schedule().lookup(key)
+
+    def close(self) -> None:
+        """Close the schedule's store, if it was opened."""
+        with self._guard:
+            schedule, self._schedule = self._schedule, None
+        if schedule is not None:
+            schedule.close()
 
     # -- actions --------------------------------------------------------------------------
 

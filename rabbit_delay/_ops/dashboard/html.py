@@ -18,15 +18,22 @@ from rabbit_delay._names import Names
 from rabbit_delay._ops.dashboard.rules import (
     NODE_H,
     NODE_W,
+    TIMELINE_BUCKET_MS,
+    TIMELINE_SPAN_MS,
     TOKEN_FIELD,
     Cached,
     Histogram,
     Node,
     Picture,
+    Timeline,
     picture,
+    timeline_labels,
 )
 from rabbit_delay._ops.parked.rules import ParkedPage
+from rabbit_delay._ops.scheduled.rules import detail, unknown_key
 from rabbit_delay._ops.status.rules import BUFFER_ROLES, Status, oldest_cell
+from rabbit_delay._schedule.messages import MAX_KEY
+from rabbit_delay._schedule.records import ScheduleRecord
 from rabbit_delay._urls import redact
 
 STATIC = "/static"
@@ -379,8 +386,112 @@ def parked(
     return "\n".join(parts)
 
 
+# -- the schedule -----------------------------------------------------------------------
+
+# A timeline's bars: width, gap, the tallest bar's height and the baseline (as the
+# script draws them again: static/dashboard.js, applySchedule).
+T_BAR, T_GAP, T_HEIGHT, T_BASE = 14, 2, 90, 110
+
+
+def svg_timeline(t: Timeline, index: int) -> str:
+    """A bar per bucket of what comes due, the tallest at full height; a label every
+    hour from now."""
+    width = len(t.counts) * (T_BAR + T_GAP) + 10
+    top = max(t.counts, default=0) or 1
+    labels = timeline_labels(len(t.counts), t.bucket_ms)
+    edges = t.edges()
+    out = [
+        f'<svg class="timeline" viewBox="0 0 {width} 140" width="{width}" height="140" '
+        f'data-t="{index}" role="img" aria-label="schedule of {e(t.queue)}">'
+    ]
+    for i, n in enumerate(t.counts):
+        tall = round(T_HEIGHT * n / top)
+        x = 5 + i * (T_BAR + T_GAP)
+        span = f"{iso_ms(edges[i])} to {iso_ms(edges[i + 1])}"
+        out.append(
+            f'<rect class="bar" x="{x}" y="{T_BASE - tall}" width="{T_BAR}" height="{tall}" '
+            f'data-b="{i}"><title data-w="{i}">{e(span)}: {n}</title></rect>'
+        )
+        out.append(
+            f'<text class="count" x="{x + T_BAR / 2}" y="{T_BASE - tall - 3}" data-c="{i}">'
+            f"{n if n else ''}</text>"
+        )
+        if labels[i]:
+            out.append(
+                f'<text class="le" x="{x + T_BAR / 2}" y="{T_BASE + 14}">{e(labels[i])}</text>'
+            )
+    out.append(
+        f'<text class="axis" x="5" y="{T_BASE + 27}">coming due, per '
+        f"{e(format_ms(t.bucket_ms))} from now</text>"
+    )
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _search_form(key: str | None) -> str:
+    value = f' value="{e(key)}"' if key else ""
+    return (
+        '<form class="search" id="schedule-search" method="get" action="/schedule">'
+        f'<input type="search" name="key" required maxlength="{MAX_KEY}" '
+        f'placeholder="a schedule key, e.g. order-42" aria-label="schedule key"{value}> '
+        '<button type="submit">find</button></form>'
+    )
+
+
+def schedule_section(state: Cached[tuple[Timeline, ...]], *, refresh_s: float) -> str:
+    """The overview's schedule: a key search box and, per queue, what comes due over the
+    next hours (a topology with [schedule] only)."""
+    when = iso_ms(state.read_at_ms) if state.read_at_ms is not None else "never"
+    parts = [
+        '<section id="schedule"><h2>Schedule</h2>',
+        f'<p class="age">scheduled messages coming due in the next '
+        f"{e(format_ms(TIMELINE_SPAN_MS))}, per {e(format_ms(TIMELINE_BUCKET_MS))} and queue, "
+        f'from the schedule\'s store; read at <span data-f="schedule-read-at">{e(when)}</span> '
+        f"(at most once every {refresh_s:g} s)</p>",
+        f'<p class="error" data-f="schedule-error"{"" if state.error else " hidden"}>'
+        f"{e(redact(state.error or ''))}</p>",
+        _search_form(None),
+    ]
+    found = state.value or ()
+    queues = ",".join(t.queue for t in found)
+    parts.append(f'<div class="timelines" data-queues="{e(queues)}">')
+    for i, t in enumerate(found):
+        parts.append(
+            f'<figure class="series" data-tq="{e(t.queue)}"><figcaption><b>{e(t.queue)}</b>: '
+            f'<span data-tc="{i}">{e(t.caption())}</span></figcaption>{svg_timeline(t, i)}</figure>'
+        )
+    parts.append("</div></section>")
+    return "\n".join(parts)
+
+
+def schedule_key_page(key: str | None, record: ScheduleRecord | None, *, now_ms: int) -> str:
+    """A schedule key's record in full (`scheduled show`'s lines), or that it is unknown;
+    the search box above it."""
+    parts = ['<section id="schedule-key"><h2>Schedule key</h2>', _search_form(key)]
+    if key is not None and record is None:
+        parts.append(f'<p class="error" id="schedule-missing">{e(unknown_key(key))}</p>')
+    elif record is not None:
+        parts.append(f'<dl id="schedule-record"><dt>key</dt><dd><code>{e(record.key)}</code></dd>')
+        for label, value in detail(record, now_ms):
+            parts.append(f'<dt>{e(label)}</dt><dd data-f="{e(label)}">{e(redact(value))}</dd>')
+        parts.append("</dl>")
+    parts.append('<p><a href="/">back to the overview</a></p></section>')
+    return "\n".join(parts)
+
+
 def error_page(message: str) -> str:
     return f'<p class="error">{e(redact(message))}</p><p><a href="/">back</a></p>'
 
 
-__all__ = ["e", "error_page", "layout", "overview", "parked", "svg_histogram", "svg_picture"]
+__all__ = [
+    "e",
+    "error_page",
+    "layout",
+    "overview",
+    "parked",
+    "schedule_key_page",
+    "schedule_section",
+    "svg_histogram",
+    "svg_picture",
+    "svg_timeline",
+]

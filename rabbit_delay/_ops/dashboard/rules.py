@@ -18,18 +18,21 @@ import ipaddress
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from rabbit_delay._durations import format_ms, iso_ms
 from rabbit_delay._errors import ConfigError
 from rabbit_delay._names import Names
 from rabbit_delay._observe.metrics import NAMESPACE
 from rabbit_delay._ops.parked.rules import DEFAULT_LIMIT, check_page
+from rabbit_delay._ops.scheduled.rules import check_key
 from rabbit_delay._ops.status.rules import QueueRole, QueueRow, Status
 from rabbit_delay._record import fields_json
+from rabbit_delay._schedule.records import ScheduleRecord
 
 DEFAULT_PORT = 8765
 DEFAULT_HOST = "127.0.0.1"
@@ -497,6 +500,131 @@ def snapshot_json(
     }
 
 
+# -- the schedule (a topology with [schedule]) -------------------------------------------
+
+# What comes due over the next TIMELINE_SPAN, per queue, in buckets of TIMELINE_BUCKET.
+TIMELINE_SPAN_MS = 6 * 3_600_000
+TIMELINE_BUCKET_MS = 15 * 60_000
+# A bucket label every hour (every fourth 15-minute bucket).
+TIMELINE_LABEL_EVERY_MS = 3_600_000
+# The records still scheduled past their due time are counted up to this many (one page
+# of the list: the count never loads the whole table).
+PAST_DUE_CAP = 1_000
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    """One queue's scheduled records coming due: `counts[i]` in the bucket that starts
+    at `start_ms + i * bucket_ms`; `past_due` are still scheduled past their due time
+    (being handled or retried, or late: the sweeper's business), at most PAST_DUE_CAP
+    (`past_due_more`: there may be more)."""
+
+    queue: str
+    start_ms: int
+    bucket_ms: int
+    counts: tuple[int, ...]
+    past_due: int = 0
+    past_due_more: bool = False
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+    def caption(self) -> str:
+        span = format_ms(self.bucket_ms * len(self.counts))
+        head = (
+            f"{self.total} due in the next {span}"
+            if self.total
+            else f"nothing due in the next {span}"
+        )
+        if self.past_due:
+            more = "+" if self.past_due_more else ""
+            head += f"; {self.past_due}{more} past due, not handled yet"
+        return head
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "queue": self.queue,
+            "start_ms": self.start_ms,
+            "bucket_ms": self.bucket_ms,
+            "buckets": [
+                {"start": iso_ms(at), "start_ms": at, "count": n}
+                for at, n in zip(self.edges(), self.counts, strict=False)
+            ],
+            "total": self.total,
+            "past_due": self.past_due,
+            "past_due_more": self.past_due_more,
+            "caption": self.caption(),
+        }
+
+    def edges(self) -> list[int]:
+        return [self.start_ms + i * self.bucket_ms for i in range(len(self.counts) + 1)]
+
+
+def timelines(
+    queues: Iterable[str],
+    counts: Mapping[str, Sequence[int]],
+    past_due: Sequence[ScheduleRecord],
+    *,
+    start_ms: int,
+    bucket_ms: int,
+) -> tuple[Timeline, ...]:
+    """A timeline per queue of the topology, in its order, from the counts of
+    `Schedule.timeline` and a page of the records still scheduled before `start_ms`."""
+    late: dict[str, int] = {}
+    for record in past_due:
+        late[record.queue] = late.get(record.queue, 0) + 1
+    more = len(past_due) >= PAST_DUE_CAP
+    return tuple(
+        Timeline(q, start_ms, bucket_ms, tuple(counts.get(q, ())), late.get(q, 0), more)
+        for q in queues
+    )
+
+
+def timeline_labels(
+    buckets: int, bucket_ms: int, every_ms: int = TIMELINE_LABEL_EVERY_MS
+) -> list[str]:
+    """A label under each bucket: "now" under the first, "+1h" under each bucket starting
+    a whole `every_ms` later, "" under the others."""
+    labels = []
+    for i in range(buckets):
+        offset = i * bucket_ms
+        if i == 0:
+            labels.append("now")
+        elif offset % every_ms == 0:
+            labels.append("+" + format_ms(offset))
+        else:
+            labels.append("")
+    return labels
+
+
+def schedule_json(
+    found: Sequence[Timeline] | None,
+    *,
+    read_at_ms: int | None,
+    age: float | None,
+    error: str | None,
+    refresh_s: float,
+) -> dict[str, Any]:
+    """What `/api/schedule` answers: a timeline per queue, and how old it is."""
+    return {
+        "span_ms": TIMELINE_SPAN_MS,
+        "bucket_ms": TIMELINE_BUCKET_MS,
+        "read_at_ms": read_at_ms,
+        "age_s": age,
+        "refresh_s": refresh_s,
+        "error": error,
+        "queues": [t.as_json() for t in found or ()],
+    }
+
+
+def schedule_key(value: str | None) -> str:
+    """The key asked for (`?key=`): a schedule key. Raises ConfigError."""
+    if value is None:
+        raise ConfigError("name the schedule key: ?key=KEY")
+    return check_key(value, "key")
+
+
 __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_PORT",
@@ -504,6 +632,10 @@ __all__ = [
     "LATENESS_METRIC",
     "MAX_PAGE",
     "MIN_REFRESH_S",
+    "PAST_DUE_CAP",
+    "TIMELINE_BUCKET_MS",
+    "TIMELINE_LABEL_EVERY_MS",
+    "TIMELINE_SPAN_MS",
     "TOKEN_FIELD",
     "TOKEN_HEADER",
     "Auth",
@@ -512,6 +644,7 @@ __all__ = [
     "Node",
     "Picture",
     "Poller",
+    "Timeline",
     "action_token_ok",
     "age_s",
     "check_binding",
@@ -520,6 +653,10 @@ __all__ = [
     "page_bounds",
     "parse_auth",
     "picture",
+    "schedule_json",
+    "schedule_key",
     "snapshot_json",
     "start_message",
+    "timeline_labels",
+    "timelines",
 ]

@@ -8,6 +8,10 @@ Routes (GET unless said):
     /api/snapshot                   the overview as JSON (what the script refreshes from)
     /api/parked/<queue>?offset=&limit=
     /api/parked/<queue>/<message_id>   one message in full (traceback, body)
+    /schedule?key=                  a schedule key's record, and the search box
+                                    (a topology with [schedule]; 404 without)
+    /api/schedule                   per queue, what comes due in the next hours
+    /api/schedule/record?key=       a key's record (as `scheduled show --json`)
     POST /api/replay                queue, [message_id], [tier]      (--allow-actions)
     POST /api/purge                 queue, confirm=<the queue name>  (--allow-actions)
 
@@ -34,7 +38,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import parse_qs, unquote
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from rabbit_delay._errors import BrokerError, ConfigError, MissingObjectError, RabbitDelayError
+from rabbit_delay._errors import (
+    BrokerError,
+    ConfigError,
+    MissingObjectError,
+    RabbitDelayError,
+    StoreError,
+)
 from rabbit_delay._ops.dashboard import html as _html
 from rabbit_delay._ops.dashboard.rules import (
     DEFAULT_HOST,
@@ -44,17 +54,22 @@ from rabbit_delay._ops.dashboard.rules import (
     Cached,
     Histogram,
     Poller,
+    Timeline,
     action_token_ok,
     age_s,
     check_binding,
     is_loopback,
     lateness_histograms,
     page_bounds,
+    schedule_json,
+    schedule_key,
     snapshot_json,
 )
 from rabbit_delay._ops.parked.rules import ParkedDetail, ParkedPage
 from rabbit_delay._ops.replay.rules import ReplayReport
+from rabbit_delay._ops.scheduled.rules import unknown_key
 from rabbit_delay._ops.status.rules import Status
+from rabbit_delay._schedule.records import ScheduleRecord
 from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import redact
 
@@ -95,6 +110,10 @@ class Backend(Protocol):
 
     def purge(self, queue: str) -> tuple[str, int]: ...
 
+    def read_schedule(self) -> tuple[Timeline, ...]: ...
+
+    def schedule_record(self, key: str) -> ScheduleRecord | None: ...
+
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
@@ -131,7 +150,7 @@ def _status_of(exc: RabbitDelayError) -> str:
         return "404 Not Found"
     if isinstance(exc, ValueError):  # ConfigError, UnknownTargetError, DelayError
         return "400 Bad Request"
-    if isinstance(exc, BrokerError):
+    if isinstance(exc, BrokerError | StoreError):
         return "503 Service Unavailable"
     return "500 Internal Server Error"
 
@@ -165,6 +184,17 @@ class Dashboard:
         self.poller: Poller[Snapshot] = Poller(
             self._read, refresh_s, errors=(RabbitDelayError,), describe=lambda x: redact(str(x))
         )
+        # The schedule's timelines (a topology with [schedule]): read from its store at
+        # most once per refresh too, apart from the broker's snapshot (one can fail
+        # while the other answers).
+        self.schedule_poller: Poller[tuple[Timeline, ...]] | None = None
+        if self.topology.schedule is not None:
+            self.schedule_poller = Poller(
+                backend.read_schedule,
+                refresh_s,
+                errors=(RabbitDelayError,),
+                describe=lambda x: redact(str(x)),
+            )
 
     # -- the snapshot ---------------------------------------------------------------------
 
@@ -196,6 +226,19 @@ class Dashboard:
             refresh_s=self.refresh_s,
             actions=self.allow_actions,
             names=self.topology.names,
+        )
+
+    def schedule(self) -> dict[str, Any] | None:
+        """What `/api/schedule` answers; None for a topology without [schedule]."""
+        if self.schedule_poller is None:
+            return None
+        state = self.schedule_poller.get()
+        return schedule_json(
+            state.value,
+            read_at_ms=state.read_at_ms,
+            age=age_s(state, self.schedule_poller.clock()),
+            error=state.error,
+            refresh_s=self.refresh_s,
         )
 
     # -- who may ask ----------------------------------------------------------------------
@@ -281,11 +324,16 @@ class Dashboard:
                 refresh_s=self.refresh_s,
                 actions=self.allow_actions,
             )
+            if self.schedule_poller is not None:
+                timeline = self.schedule_poller.get()
+                body += "\n" + _html.schedule_section(timeline, refresh_s=self.refresh_s)
             return self.page(f"dashboard of {self.topology.names.prefix}", body, name="overview")
         if path.startswith("/static/"):
             return _static(path[len("/static/") :])
         if path == "/api/snapshot":
             return _json("200 OK", self.snapshot())
+        if path in ("/schedule", "/api/schedule", "/api/schedule/record"):
+            return self.scheduled(path, one("key"))
         m = re.fullmatch(r"/(api/)?parked/([^/]+)(?:/(.+))?", path)
         if m is None:
             return _error("404 Not Found", f"no such page: {path}", "not_found")
@@ -306,6 +354,32 @@ class Dashboard:
             token=self.token if self.allow_actions else None,
         )
         return self.page(f"parked for {found.queue}", body, name="parked")
+
+    def scheduled(self, path: str, key: str | None) -> Response:
+        """The schedule's pages: the timelines as JSON, a key's record as JSON, or the
+        key page (the search box, and the record when a key is given)."""
+        if self.schedule_poller is None:
+            message = (
+                f"the topology {self.topology.names.prefix!r} has no schedule: add a "
+                "[schedule] table (docs/schedule.md)"
+            )
+            if path.startswith("/api/"):
+                return _error("404 Not Found", message, "no_schedule")
+            return self.page("no schedule", _html.error_page(message), "404 Not Found")
+        if path == "/api/schedule":
+            return _json("200 OK", self.schedule())
+        if path == "/schedule" and not key:
+            body = _html.schedule_key_page(None, None, now_ms=self.poller.wall_ms())
+            return self.page("schedule key", body, name="schedule")
+        key = schedule_key(key)
+        record = self.backend.schedule_record(key)
+        if path == "/api/schedule/record":
+            if record is None:
+                return _error("404 Not Found", unknown_key(key), "UnknownKey")
+            return _json("200 OK", record.as_dict())
+        body = _html.schedule_key_page(key, record, now_ms=self.poller.wall_ms())
+        status = "200 OK" if record is not None else "404 Not Found"
+        return self.page(f"schedule key {key}", body, status, name="schedule")
 
     def detail(self, queue: str, message_id: str) -> Response:
         lot, total, copies = self.backend.parked_detail(queue, message_id)

@@ -117,7 +117,66 @@
     });
   }
 
+  // The schedule's timelines (a topology with [schedule]): the bars of each queue drawn
+  // again from /api/schedule, as html.py's svg_timeline draws them (bars 90 high at
+  // most, baseline 110).
+  function applySchedule(data) {
+    var box = document.querySelector(".timelines");
+    if (!box) return;
+    var error = document.querySelector('[data-f="schedule-error"]');
+    if (error) {
+      error.hidden = !data.error;
+      setText(error, data.error || "");
+    }
+    if (data.read_at_ms) {
+      setText(document.querySelector('[data-f="schedule-read-at"]'), new Date(data.read_at_ms).toISOString());
+    }
+    var queues = data.queues.map(function (t) { return t.queue; }).join(",");
+    if (queues !== (box.getAttribute("data-queues") || "")) {
+      if (data.queues.length) window.location.reload(); // the server draws them
+      return;
+    }
+    data.queues.forEach(function (t, i) {
+      var svg = box.querySelector('[data-t="' + i + '"]');
+      if (!svg) return;
+      var top = Math.max.apply(null, t.buckets.map(function (b) { return b.count; })) || 1;
+      t.buckets.forEach(function (b, j) {
+        var rect = svg.querySelector('[data-b="' + j + '"]');
+        var label = svg.querySelector('[data-c="' + j + '"]');
+        var tip = svg.querySelector('[data-w="' + j + '"]');
+        if (!rect) return;
+        var tall = Math.round(90 * b.count / top);
+        rect.setAttribute("y", String(110 - tall));
+        rect.setAttribute("height", String(tall));
+        if (label) {
+          label.setAttribute("y", String(110 - tall - 3));
+          setText(label, b.count ? String(b.count) : "");
+        }
+        if (tip) {
+          setText(tip, b.start + " to " + new Date(b.start_ms + t.bucket_ms).toISOString() + ": " + b.count);
+        }
+      });
+      setText(box.querySelector('[data-tc="' + i + '"]'), t.caption);
+    });
+    document.body.setAttribute("data-schedule-at", String(data.read_at_ms));
+  }
+
+  function pollSchedule() {
+    if (!document.getElementById("schedule")) return;
+    fetch("/api/schedule", { credentials: "same-origin", cache: "no-store" })
+      .then(function (r) { return r.json(); })
+      .then(applySchedule)
+      .catch(function (err) {
+        var error = document.querySelector('[data-f="schedule-error"]');
+        if (error) {
+          error.hidden = false;
+          error.textContent = "dashboard unreachable: " + err;
+        }
+      });
+  }
+
   function poll() {
+    pollSchedule();
     fetch("/api/snapshot", { credentials: "same-origin", cache: "no-store" })
       .then(function (r) { return r.json(); })
       .then(applySnapshot)
