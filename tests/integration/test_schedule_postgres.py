@@ -2,7 +2,8 @@
 through SyncStoreAsAsync) and AsyncPostgresStore, on the guard's caller's clock and on
 the server's (the schedule always goes by the caller's); the table, its collation, the
 round trips of `scheduled_batch`, failing items, reconnects, purge; processes racing to
-publish the same keys.
+publish the same keys; and the measurement's smoke run (benchmarks/bench_schedule_store.py
+with 20,000 records, on PostgreSQL and on SQLite).
 
 PostgreSQL: $RABBIT_DELAY_TEST_POSTGRES_URL, else postgresql://postgres@127.0.0.1:5432/test;
 unreachable, these tests skip locally and FAIL under CI=1. Each test has a schema of its
@@ -21,6 +22,7 @@ import textwrap
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -38,6 +40,8 @@ pytestmark = [pytest.mark.integration]
 
 PG_URL_ENV = "RABBIT_DELAY_TEST_POSTGRES_URL"
 PG_DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks" / "bench_schedule_store.py"
 SCOPE = "rd-test"
 TABLE = "rabbit_delay_idempotency"
 
@@ -628,3 +632,39 @@ def test_batches_of_the_same_keys_in_opposite_orders_do_not_deadlock(url: str) -
     finally:
         for store in stores:
             store.close()
+
+
+# -- the measurement, CI-sized ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["postgres", "sqlite"])
+def test_the_measurement_runs_with_20000_records(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """benchmarks/bench_schedule_store.py, CI-sized: only that every figure is there and
+    sane (the figures themselves are the benchmark's business)."""
+    args = [sys.executable, str(BENCH), "--store", kind, "--records", "20000"]
+    args += ["--lookups", "300", "--pages", "50", "--out", str(tmp_path / "result.json")]
+    if kind == "postgres":
+        args += ["--url", request.getfixturevalue("url")]
+    else:
+        args += ["--dir", str(tmp_path)]
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["store"] == kind
+    assert result["records"] == 20_000
+    assert 100 < result["bytes_per_record"] < 10_000
+    for name in ("lookup", "page", "overdue_empty"):
+        figures = result[name]
+        assert 0 < figures["p50_ms"] <= figures["p99_ms"] <= figures["max_ms"] < 5_000, name
+    assert result["lookup"]["found"] == result["lookup"]["n"] == 300
+    assert result["page"]["rows"] == 100
+    assert result["overdue_empty"]["rows"] == 0
+    if kind == "postgres":  # the bench dropped its tables
+        assert sql(
+            request.getfixturevalue("url"),
+            "SELECT count(*) FROM pg_tables WHERE tablename LIKE 'rd_bench_%%'",
+        ) == [(0,)]
