@@ -18,8 +18,11 @@ test kit's virtual clock), like SQLite.
 The tables: each is a `_Table` (its DDL and its statements, from one template with the
 table's name and the clock filled in), created on first use under an advisory lock so
 that processes starting together do not race on `CREATE TABLE`. The idempotency table is
-the first; another (issue 21's schedule) goes beside it, in a store's `_tables`, with
-its own statements.
+the first; the schedule's (`<table>_schedule`, issue 21) goes beside it, its DDL and
+its operations written once for SQLite and PostgreSQL in `sql_schedule` (programs of
+statements, run here on the store's connection; always on the caller's clock).
+`scheduled_batch` runs a worker's finishes and claims with their schedule updates and
+checks in one transaction (`_ScheduledBatch`).
 
 `psycopg` is imported when a store is created, so this module loads without it.
 """
@@ -28,14 +31,41 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from rabbit_delay._errors import ConfigError
-from rabbit_delay._idempotency.guard import DEFAULT_PREFIX, ClaimItem, ClaimResult, FinishItem
+from rabbit_delay._idempotency.guard import (
+    DEFAULT_PREFIX,
+    VERDICT_RESULT,
+    ClaimItem,
+    ClaimResult,
+    FinishItem,
+    ScheduledClaim,
+    ScheduledFinish,
+)
 from rabbit_delay._io.sql import check_table_name
+from rabbit_delay._schedule.book import SweptItem
+from rabbit_delay._schedule.records import (
+    Entry,
+    Finished,
+    Placed,
+    Query,
+    ScheduleRecord,
+    ScheduleState,
+    Verdict,
+)
+from rabbit_delay._stores.sql_schedule import (
+    POSTGRES,
+    Program,
+    SQLSchedule,
+    pipelined,
+    run_async,
+    run_sync,
+)
+from rabbit_delay._stores.sql_schedule import schema as schedule_schema
 from rabbit_delay._stores.sqlite import DEFAULT_IDEMPOTENCY_TABLE
 from rabbit_delay._urls import redact
 
@@ -52,6 +82,14 @@ _CALLER_NOW = "%(now)s::bigint"
 _MIN_SERVER_VERSION = 140_000
 # Purge deletes the expired rows of this many heap pages (8 KiB each) per statement.
 _PURGE_PAGES = 1_000
+# ...and the expired schedule records this many at a time (found by their expiry index).
+_SCHEDULE_PURGE_ROWS = 5_000
+# A transaction the server rolled back to break a deadlock is sent again, up to this
+# many times in all (nothing of it was written).
+_DEADLOCK_ATTEMPTS = 3
+# The schedule's table and its indexes add up to 17 characters to the store's table
+# name ("_schedule_expires"); PostgreSQL cuts identifiers at 63.
+_MAX_TABLE_NAME = 63 - len("_schedule_expires")
 DEFAULT_TIMEOUT_S = 10.0
 
 
@@ -149,6 +187,10 @@ SELECT pg_relation_size(to_regclass(%(table)s)) / current_setting('block_size'):
 }
 
 IDEMPOTENCY = _Table(ddl=_IDEMPOTENCY_DDL, statements=_IDEMPOTENCY_STATEMENTS)
+
+# The schedule's table: its DDL from sql_schedule (written once for both databases; it
+# has no braces but the name's), its operations there too, as programs (`SQLSchedule`).
+SCHEDULE = _Table(ddl=tuple(schedule_schema("{t}", POSTGRES)), statements={})
 
 
 _EXISTS = "SELECT to_regclass(%(table)s) IS NOT NULL"
@@ -297,6 +339,75 @@ def _single_finish(
     return _Request(sql.finishes([item], now_ms, retention_ms).statements, lambda _: None)
 
 
+class _ScheduledBatch:
+    """A worker's batch with its schedule (`scheduled_batch`), as statements: pure,
+    shared by the sync and async stores. Sent in one pipeline, its implicit transaction
+    committed by the pipeline's Sync: one transaction in at most two round trips.
+
+    First the finishes (one statement), their schedule updates (one per kind) and the
+    read of the records the claims' refs name (`SQLSchedule.check`): reading its rows
+    ends the first round trip. Then the dropped copies counted, the claims the schedule
+    did not answer (one statement, `claims`) and the Sync: the second. With no ref to
+    read, all of it goes in one round trip."""
+
+    def __init__(
+        self,
+        sql: _Statements,
+        schedule: SQLSchedule,
+        finishes: Sequence[ScheduledFinish],
+        claims: Sequence[ScheduledClaim],
+        *,
+        now_ms: int,
+        lease_ms: int,
+        retention_ms: int,
+    ) -> None:
+        self._sql = sql
+        self._claims = claims
+        self._now_ms = now_ms
+        self._lease_ms = lease_ms
+        items = [(key, owner, succeeded) for key, owner, succeeded, _ in finishes]
+        self.finishes = sql.finishes(items, now_ms, retention_ms).statements
+        updates = [update for *_, update in finishes if update is not None]
+        self.updates = pipelined(schedule.finish(updates, now_ms))
+        self._refs = [(i, ref) for i, (_, _, ref) in enumerate(claims) if ref is not None]
+        self.check = pipelined(schedule.check([ref for _, ref in self._refs], now_ms))
+        self.finished: list[Exception | None] = [None] * len(finishes)
+        # Sent twice, it is the same as once unless it counts something: a retried or
+        # parked record's failure, a dropped copy (see `_Attempt`).
+        self.replayable = all(update.finished is Finished.HANDLED for update in updates)
+
+    def claims(self, verdicts: Sequence[Verdict | None]) -> _Request[list[ClaimResult]]:
+        """Given the schedule's verdicts: the claim of every item it did not answer, and
+        every item's outcome from its rows."""
+        answered: dict[int, ClaimResult] = {}
+        for (i, _), verdict in zip(self._refs, verdicts, strict=True):
+            if verdict is not None:
+                answered[i] = VERDICT_RESULT[verdict]
+                if verdict is not Verdict.HANDLED:
+                    self.replayable = False  # a dropped copy is counted
+        rest = [i for i in range(len(self._claims)) if i not in answered]
+        items = [(self._claims[i][0], self._claims[i][1]) for i in rest]
+        request = self._sql.claims(items, self._now_ms, self._lease_ms)
+
+        def read(results: list[Rows]) -> list[ClaimResult]:
+            outcomes = dict(answered)
+            outcomes.update(zip(rest, request.read(results), strict=True))
+            return [outcomes[i] for i in range(len(self._claims))]
+
+        return _Request(request.statements, read)
+
+
+@dataclass
+class _Attempt:
+    """One sending of a transaction. Once its COMMIT (or the pipeline's Sync) may have
+    reached the server (`committing`), a connection that breaks leaves it unknown
+    whether it was written: it is sent again on a new connection only when sending it
+    twice is the same as once (`replayable`); before that, nothing was written."""
+
+    replayable: bool
+    committing: bool = False
+
+
 def _then(first: _Request[T], second: _Request[R]) -> _Request[tuple[T, R]]:
     """Both requests in one round trip, `first`'s statements first."""
     n = len(first.statements)
@@ -371,6 +482,12 @@ class _Base:
         timeout_s: float,
     ) -> None:
         check_table_name(table, "PostgreSQL")
+        if len(table) > _MAX_TABLE_NAME:
+            raise ConfigError(
+                f"the PostgreSQL table name {table!r} is too long: at most {_MAX_TABLE_NAME} "
+                "characters (the schedule's table and indexes are named after it, and "
+                "PostgreSQL cuts names at 63)"
+            )
         self._lib = _import_psycopg()
         self.url = url
         self.prefix = prefix
@@ -380,9 +497,14 @@ class _Base:
         self._conninfo = _conninfo(self._lib, url, timeout_s)
         self._error: type[Exception] = self._lib.Error
         self._sql = _Statements(table, prefix, server_clock)
-        # Every table the store creates on first use, with its name (issue 21's schedule
-        # table goes here too).
-        self._tables: tuple[tuple[_Table, str], ...] = ((IDEMPOTENCY, table),)
+        self.schedule_table = f"{table}_schedule"
+        self._schedule_sql = SQLSchedule(self.schedule_table, POSTGRES)
+        # Every table the store creates on first use, with its name.
+        self._tables: tuple[tuple[_Table, str], ...] = (
+            (IDEMPOTENCY, table),
+            (SCHEDULE, self.schedule_table),
+        )
+        self._deadlock: type[Exception] = self._lib.errors.DeadlockDetected
         self._closed = False
 
     def __repr__(self) -> str:  # never show the password
@@ -431,6 +553,7 @@ class PostgresStore(_Base):
         )
         self._lock = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
+        self.schedule = PostgresSchedule(self)
 
     # -- IdempotencyStore --------------------------------------------------------------
 
@@ -517,16 +640,74 @@ class PostgresStore(_Base):
             self.claim_many(claims, now_ms=now_ms, lease_ms=lease_ms),
         )
 
+    def scheduled_batch(
+        self,
+        finishes: Sequence[ScheduledFinish],
+        claims: Sequence[ScheduledClaim],
+        *,
+        now_ms: int,
+        lease_ms: int,
+        retention_ms: int,
+    ) -> tuple[list[Exception | None], list[ClaimResult | Exception]]:
+        """See `SchedulingStore.scheduled_batch`: one transaction, in one round trip, or
+        two when a claim carries a Ref (the schedule's answer decides what is claimed:
+        `_ScheduledBatch`). When a statement fails nothing was written, and each item
+        runs alone, its error in its slot; a lost connection fails every item."""
+        valid_f, slots_f = _checked(finishes)
+        valid_c, slots_c = _checked(claims)
+        chosen_f = [finishes[i] for i in valid_f]
+        chosen_c = [claims[i] for i in valid_c]
+        if not chosen_f and not chosen_c:  # nothing valid: TypeErrors only
+            return slots_f, _fill(slots_c, [], [])
+        plan = partial(
+            _ScheduledBatch,
+            self._sql,
+            self._schedule_sql,
+            now_ms=now_ms,
+            lease_ms=lease_ms,
+            retention_ms=retention_ms,
+        )
+        finished: list[Exception | None]
+        claimed: list[ClaimResult | Exception]
+        with self._lock:
+            try:
+                done, answered = self._scheduled(partial(plan, chosen_f, chosen_c))
+                finished, claimed = list(done), list(answered)
+            except self._error as exc:
+                if self._conn is None:  # the connection is lost: every item with it
+                    return [exc] * len(finishes), [exc] * len(claims)
+                finished, claimed = [], []
+                for f in chosen_f:
+                    try:
+                        finished.append(self._scheduled(partial(plan, [f], []))[0][0])
+                    except self._error as one:
+                        finished.append(one)
+                for c in chosen_c:
+                    try:
+                        claimed.append(self._scheduled(partial(plan, [], [c]))[1][0])
+                    except self._error as one:
+                        claimed.append(one)
+        return _fill(slots_f, valid_f, finished), _fill(slots_c, valid_c, claimed)
+
+    def run_schedule(self, make: Callable[[], Program[T]], *, write: bool) -> T:
+        """Run the schedule program `make()` (`SQLSchedule`): with `write`, in a
+        transaction of its own, else in autocommit (a read, or a statement that may be
+        sent twice). Raises `psycopg.Error`."""
+        with self._lock:
+            return self._transact(partial(self._send_program, make, write), not write)
+
     def purge(self, *, now_ms: int) -> int:
         """See `IdempotencyStore.purge`: every expired row of the table, whatever its
         prefix, a slice of pages per statement (the lock is released between slices, so
-        other threads' operations interleave). Raises `psycopg.Error`."""
+        other threads' operations interleave), then every expired schedule record (by
+        the caller's clock, `now_ms`), a slice of rows per statement. Raises
+        `psycopg.Error`."""
         pages = self._call(self._sql.pages())
         total = 0
         for low in range(0, pages, _PURGE_PAGES):
             sql, params = self._sql.purge_slice(low, now_ms)
             total += self._call(_Request([(sql, params)], lambda _: 0), rowcount=True)
-        return total
+        return total + self.schedule.purge(now_ms=now_ms)
 
     def close(self) -> None:
         with self._lock:
@@ -604,6 +785,83 @@ class PostgresStore(_Base):
             cursors = [conn.execute(sql, params) for sql, params in statements]
         return request.read([c.fetchall() if c.description else [] for c in cursors])
 
+    def _scheduled(
+        self, plan: Callable[[], _ScheduledBatch]
+    ) -> tuple[list[Exception | None], list[ClaimResult]]:
+        """A scheduled batch `plan()` (the caller holds the lock)."""
+        return self._transact(partial(self._send_scheduled, plan), True)
+
+    def _transact(
+        self, send: Callable[[psycopg.Connection[Any], _Attempt], T], replayable: bool
+    ) -> T:
+        """`send(conn, attempt)`, a transaction (the caller holds the lock). Once more
+        on a new connection when the one it was sent on turns out broken, unless it may
+        have committed there and is not `replayable` (`_Attempt`); again when the server
+        rolled it back to break a deadlock."""
+        for tries in range(1, _DEADLOCK_ATTEMPTS + 1):
+            try:
+                return self._transact_once(send, replayable)
+            except self._deadlock:
+                if tries == _DEADLOCK_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _transact_once(
+        self, send: Callable[[psycopg.Connection[Any], _Attempt], T], replayable: bool
+    ) -> T:
+        if self._closed:
+            raise self._closed_error()
+        conn = self._conn
+        if conn is not None:
+            attempt = _Attempt(replayable)
+            try:
+                return send(conn, attempt)
+            except self._error:
+                if not _is_broken(conn):
+                    raise
+                self._drop()
+                if attempt.committing and not attempt.replayable:
+                    raise
+        conn = self._connect()
+        try:
+            return send(conn, _Attempt(replayable))
+        except self._error:
+            if _is_broken(conn):
+                self._drop()
+            raise
+
+    @staticmethod
+    def _send_program(
+        make: Callable[[], Program[T]],
+        write: bool,
+        conn: psycopg.Connection[Any],
+        attempt: _Attempt,
+    ) -> T:
+        cursor = conn.cursor()
+        if not write:
+            return run_sync(cursor, make())
+        with conn.transaction():
+            result = run_sync(cursor, make())
+            attempt.committing = True
+        return result
+
+    @staticmethod
+    def _send_scheduled(
+        plan: Callable[[], _ScheduledBatch], conn: psycopg.Connection[Any], attempt: _Attempt
+    ) -> tuple[list[Exception | None], list[ClaimResult]]:
+        batch = plan()
+        with conn.pipeline():
+            for sql, params in batch.finishes:
+                conn.execute(sql, params)
+            run_sync(conn.cursor(), batch.updates)
+            verdicts = run_sync(conn.cursor(), batch.check)  # its rows end a round trip
+            claims = batch.claims(verdicts)
+            cursors = [conn.execute(sql, params) for sql, params in claims.statements]
+            attempt.replayable = batch.replayable
+            attempt.committing = True  # the Sync, as the pipeline ends
+        claimed = claims.read([c.fetchall() if c.description else [] for c in cursors])
+        return batch.finished, claimed
+
     def _connect(self) -> psycopg.Connection[Any]:
         conn: psycopg.Connection[Any] = self._lib.connect(self._conninfo, autocommit=True)
         try:
@@ -650,6 +908,7 @@ class AsyncPostgresStore(_Base):
         )
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._lock: asyncio.Lock | None = None  # made on the loop that first uses it
+        self.schedule = AsyncPostgresSchedule(self)
 
     @classmethod
     def twin_of(cls, store: PostgresStore) -> AsyncPostgresStore:
@@ -706,6 +965,57 @@ class AsyncPostgresStore(_Base):
         single = partial(_single_finish, self._sql, now_ms=now_ms, retention_ms=retention_ms)
         return _fill(slots, valid, await self._batch(whole, chosen, single))
 
+    async def scheduled_batch(
+        self,
+        finishes: Sequence[ScheduledFinish],
+        claims: Sequence[ScheduledClaim],
+        *,
+        now_ms: int,
+        lease_ms: int,
+        retention_ms: int,
+    ) -> tuple[list[Exception | None], list[ClaimResult | Exception]]:
+        """See `PostgresStore.scheduled_batch`."""
+        valid_f, slots_f = _checked(finishes)
+        valid_c, slots_c = _checked(claims)
+        chosen_f = [finishes[i] for i in valid_f]
+        chosen_c = [claims[i] for i in valid_c]
+        if not chosen_f and not chosen_c:  # nothing valid: TypeErrors only
+            return slots_f, _fill(slots_c, [], [])
+        plan = partial(
+            _ScheduledBatch,
+            self._sql,
+            self._schedule_sql,
+            now_ms=now_ms,
+            lease_ms=lease_ms,
+            retention_ms=retention_ms,
+        )
+        finished: list[Exception | None]
+        claimed: list[ClaimResult | Exception]
+        async with self._locked():
+            try:
+                done, answered = await self._scheduled(partial(plan, chosen_f, chosen_c))
+                finished, claimed = list(done), list(answered)
+            except self._error as exc:
+                if self._conn is None:  # the connection is lost: every item with it
+                    return [exc] * len(finishes), [exc] * len(claims)
+                finished, claimed = [], []
+                for f in chosen_f:
+                    try:
+                        finished.append((await self._scheduled(partial(plan, [f], [])))[0][0])
+                    except self._error as one:
+                        finished.append(one)
+                for c in chosen_c:
+                    try:
+                        claimed.append((await self._scheduled(partial(plan, [], [c])))[1][0])
+                    except self._error as one:
+                        claimed.append(one)
+        return _fill(slots_f, valid_f, finished), _fill(slots_c, valid_c, claimed)
+
+    async def run_schedule(self, make: Callable[[], Program[T]], *, write: bool) -> T:
+        """See `PostgresStore.run_schedule`."""
+        async with self._locked():
+            return await self._transact(partial(self._send_program, make, write), not write)
+
     async def purge(self, *, now_ms: int) -> int:
         """See `PostgresStore.purge`. Raises `psycopg.Error`."""
         pages = int(await self._call(self._sql.pages()))
@@ -713,7 +1023,7 @@ class AsyncPostgresStore(_Base):
         for low in range(0, pages, _PURGE_PAGES):
             sql, params = self._sql.purge_slice(low, now_ms)
             total += int(await self._call(_Request([(sql, params)], lambda _: 0), rowcount=True))
-        return total
+        return total + await self.schedule.purge(now_ms=now_ms)
 
     async def close(self) -> None:
         self._closed = True
@@ -794,6 +1104,86 @@ class AsyncPostgresStore(_Base):
             cursors = [await conn.execute(sql, params) for sql, params in statements]
         return request.read([await c.fetchall() if c.description else [] for c in cursors])
 
+    async def _scheduled(
+        self, plan: Callable[[], _ScheduledBatch]
+    ) -> tuple[list[Exception | None], list[ClaimResult]]:
+        """See `PostgresStore._scheduled`."""
+        return await self._transact(partial(self._send_scheduled, plan), True)
+
+    async def _transact(
+        self,
+        send: Callable[[psycopg.AsyncConnection[Any], _Attempt], Awaitable[T]],
+        replayable: bool,
+    ) -> T:
+        """See `PostgresStore._transact`."""
+        for tries in range(1, _DEADLOCK_ATTEMPTS + 1):
+            try:
+                return await self._transact_once(send, replayable)
+            except self._deadlock:
+                if tries == _DEADLOCK_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _transact_once(
+        self,
+        send: Callable[[psycopg.AsyncConnection[Any], _Attempt], Awaitable[T]],
+        replayable: bool,
+    ) -> T:
+        if self._closed:
+            raise self._closed_error()
+        conn = self._conn
+        if conn is not None:
+            attempt = _Attempt(replayable)
+            try:
+                return await send(conn, attempt)
+            except self._error:
+                if not _is_broken(conn):
+                    raise
+                await self._drop()
+                if attempt.committing and not attempt.replayable:
+                    raise
+        conn = await self._connect()
+        try:
+            return await send(conn, _Attempt(replayable))
+        except self._error:
+            if _is_broken(conn):
+                await self._drop()
+            raise
+
+    @staticmethod
+    async def _send_program(
+        make: Callable[[], Program[T]],
+        write: bool,
+        conn: psycopg.AsyncConnection[Any],
+        attempt: _Attempt,
+    ) -> T:
+        cursor = conn.cursor()
+        if not write:
+            return await run_async(cursor, make())
+        async with conn.transaction():
+            result = await run_async(cursor, make())
+            attempt.committing = True
+        return result
+
+    @staticmethod
+    async def _send_scheduled(
+        plan: Callable[[], _ScheduledBatch],
+        conn: psycopg.AsyncConnection[Any],
+        attempt: _Attempt,
+    ) -> tuple[list[Exception | None], list[ClaimResult]]:
+        batch = plan()
+        async with conn.pipeline():
+            for sql, params in batch.finishes:
+                await conn.execute(sql, params)
+            await run_async(conn.cursor(), batch.updates)
+            verdicts = await run_async(conn.cursor(), batch.check)
+            claims = batch.claims(verdicts)
+            cursors = [await conn.execute(sql, params) for sql, params in claims.statements]
+            attempt.replayable = batch.replayable
+            attempt.committing = True
+        rows = [await c.fetchall() if c.description else [] for c in cursors]
+        return batch.finished, claims.read(rows)
+
     async def _connect(self) -> psycopg.AsyncConnection[Any]:
         conn: psycopg.AsyncConnection[Any] = await self._lib.AsyncConnection.connect(
             self._conninfo, autocommit=True
@@ -818,3 +1208,113 @@ class AsyncPostgresStore(_Base):
         if self._conn is not None:
             await self._conn.close()
             self._conn = None
+
+
+# -- the schedule ------------------------------------------------------------------------
+
+
+class PostgresSchedule:
+    """`PostgresStore`'s schedule (`ScheduleBook`): table `<table>_schedule` beside the
+    idempotency table, created with it on first use. Each operation is a program of
+    `SQLSchedule` on the store's connection, under its lock: one that writes in a
+    transaction of its own, a read in autocommit. Always the caller's clock (`now_ms`),
+    whatever the store's `server_clock`. Raises `psycopg.Error`."""
+
+    def __init__(self, store: PostgresStore) -> None:
+        self._run = store.run_schedule
+        self._sql = store._schedule_sql
+
+    def place_many(self, entries: Sequence[Entry], *, now_ms: int) -> list[Placed]:
+        return self._run(partial(self._sql.place_many, list(entries), now_ms), write=True)
+
+    def lookup(self, scope: str, key: str) -> ScheduleRecord | None:
+        return self._run(partial(self._sql.lookup, scope, key), write=False)
+
+    def select(self, query: Query) -> list[ScheduleRecord]:
+        return self._run(partial(self._sql.select, query), write=False)
+
+    def cancel(
+        self, scope: str, key: str, *, now_ms: int, hold_ms: int
+    ) -> tuple[ScheduleState | None, ScheduleRecord | None]:
+        return self._run(partial(self._sql.cancel, scope, key, now_ms, hold_ms), write=True)
+
+    def reschedule(
+        self, scope: str, key: str, *, due_ms: int, message_id: str, now_ms: int, sweep_ms: int
+    ) -> tuple[ScheduleState | None, ScheduleRecord | None]:
+        program = partial(self._sql.reschedule, scope, key, due_ms, message_id, now_ms, sweep_ms)
+        return self._run(program, write=True)
+
+    def overdue(self, scope: str, *, now_ms: int, limit: int) -> list[ScheduleRecord]:
+        return self._run(partial(self._sql.overdue, scope, now_ms, limit), write=False)
+
+    def swept(self, scope: str, items: Sequence[SweptItem], *, now_ms: int) -> None:
+        self._run(partial(self._sql.swept, scope, list(items), now_ms), write=True)
+
+    def lateness(self, scope: str, *, since_ms: int, sample: int) -> int | None:
+        return self._run(partial(self._sql.lateness, scope, since_ms, sample), write=False)
+
+    def count_due(self, scope: str, queue: str | None, edges: Sequence[int]) -> list[int]:
+        return self._run(partial(self._sql.count_due, scope, queue, list(edges)), write=False)
+
+    def purge(self, *, now_ms: int) -> int:
+        """Expired records, `_SCHEDULE_PURGE_ROWS` per statement (the lock is released
+        between them)."""
+        total = 0
+        while True:
+            program = partial(self._sql.purge, now_ms, _SCHEDULE_PURGE_ROWS)
+            deleted = self._run(program, write=False)
+            total += deleted
+            if deleted < _SCHEDULE_PURGE_ROWS:
+                return total
+
+
+class AsyncPostgresSchedule:
+    """`AsyncPostgresStore`'s schedule (`AsyncScheduleBook`): `PostgresSchedule` on
+    the async store's connection."""
+
+    def __init__(self, store: AsyncPostgresStore) -> None:
+        self._run = store.run_schedule
+        self._sql = store._schedule_sql
+
+    async def place_many(self, entries: Sequence[Entry], *, now_ms: int) -> list[Placed]:
+        return await self._run(partial(self._sql.place_many, list(entries), now_ms), write=True)
+
+    async def lookup(self, scope: str, key: str) -> ScheduleRecord | None:
+        return await self._run(partial(self._sql.lookup, scope, key), write=False)
+
+    async def select(self, query: Query) -> list[ScheduleRecord]:
+        return await self._run(partial(self._sql.select, query), write=False)
+
+    async def cancel(
+        self, scope: str, key: str, *, now_ms: int, hold_ms: int
+    ) -> tuple[ScheduleState | None, ScheduleRecord | None]:
+        return await self._run(partial(self._sql.cancel, scope, key, now_ms, hold_ms), write=True)
+
+    async def reschedule(
+        self, scope: str, key: str, *, due_ms: int, message_id: str, now_ms: int, sweep_ms: int
+    ) -> tuple[ScheduleState | None, ScheduleRecord | None]:
+        program = partial(self._sql.reschedule, scope, key, due_ms, message_id, now_ms, sweep_ms)
+        return await self._run(program, write=True)
+
+    async def overdue(self, scope: str, *, now_ms: int, limit: int) -> list[ScheduleRecord]:
+        return await self._run(partial(self._sql.overdue, scope, now_ms, limit), write=False)
+
+    async def swept(self, scope: str, items: Sequence[SweptItem], *, now_ms: int) -> None:
+        await self._run(partial(self._sql.swept, scope, list(items), now_ms), write=True)
+
+    async def lateness(self, scope: str, *, since_ms: int, sample: int) -> int | None:
+        return await self._run(partial(self._sql.lateness, scope, since_ms, sample), write=False)
+
+    async def count_due(self, scope: str, queue: str | None, edges: Sequence[int]) -> list[int]:
+        program = partial(self._sql.count_due, scope, queue, list(edges))
+        return await self._run(program, write=False)
+
+    async def purge(self, *, now_ms: int) -> int:
+        """See `PostgresSchedule.purge`."""
+        total = 0
+        while True:
+            program = partial(self._sql.purge, now_ms, _SCHEDULE_PURGE_ROWS)
+            deleted = await self._run(program, write=False)
+            total += deleted
+            if deleted < _SCHEDULE_PURGE_ROWS:
+                return total

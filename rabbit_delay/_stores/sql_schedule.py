@@ -7,7 +7,11 @@ async cursor. The store around it opens the transaction: SQLite's BEGIN IMMEDIAT
 the write lock first, so read-then-write is atomic there; on PostgreSQL every write is a
 compare-and-set on the generation and state read before (`place`, `cancel`,
 `reschedule`), tried again when another transaction changed the row in between, so
-READ COMMITTED is enough.
+READ COMMITTED is enough. The read locks the row it finds (FOR UPDATE), so the write
+that follows wins; a new key has no row to lock, and of two first publishes racing for
+it, the second INSERT waits for the first to commit, changes nothing (ON CONFLICT DO
+NOTHING) and reads again: generation 2. Rows are written in (scope, key) order, so two
+transactions over the same keys wait for each other instead of deadlocking.
 
 The rules themselves are in `rabbit_delay._schedule.rules`; the statements here apply
 them, and the store contract tests hold them to the memory store's answers.
@@ -65,13 +69,17 @@ class Dialect:
     marker: str  # "?" (sqlite3) or "%s" (psycopg)
     int_type: str  # 64-bit milliseconds
     blob_type: str
+    # The scope and key columns: compared byte by byte on both (SQLite's BINARY, which
+    # is its default; PostgreSQL's "C" whatever the database's collation), so pages come
+    # in the memory store's order (Python's str order) and compare fast.
+    text_key: str
 
     def sql(self, text: str) -> str:
         return text if self.marker == "?" else text.replace("?", self.marker)
 
 
-SQLITE = Dialect("sqlite", "?", "INTEGER", "BLOB")
-POSTGRES = Dialect("postgres", "%s", "BIGINT", "BYTEA")
+SQLITE = Dialect("sqlite", "?", "INTEGER", "BLOB", "TEXT")
+POSTGRES = Dialect("postgres", "%s", "BIGINT", "BYTEA", 'TEXT COLLATE "C"')
 
 _COLUMNS = (
     "scope, key, generation, state, queue, due_ms, message_id, created_ms, updated_ms, "
@@ -87,11 +95,11 @@ def schema(table: str, dialect: Dialect) -> list[str]:
     due_ms, key) and (scope, queue, due_ms, key) for pages in due order; partial ones
     for the sweeper (scheduled records by sweep time), the purge (finished records by
     expiry) and the lateness sample (handled records by time)."""
-    i, b = dialect.int_type, dialect.blob_type
+    i, b, k = dialect.int_type, dialect.blob_type, dialect.text_key
     return [
         f"""CREATE TABLE IF NOT EXISTS {table} (
-    scope TEXT NOT NULL,
-    key TEXT NOT NULL,
+    scope {k} NOT NULL,
+    key {k} NOT NULL,
     generation {i} NOT NULL,
     state TEXT NOT NULL,
     queue TEXT NOT NULL,
@@ -232,9 +240,12 @@ class SQLSchedule:
             f"SELECT count(*) FROM {t} WHERE scope = ? AND queue = ? AND due_ms >= ? "
             "AND due_ms < ? AND state = 'scheduled'"
         )
+        # A slice of expired records, found by the expiry index; (scope, key), the
+        # primary key, names each (a key alone may be another scope's live record).
         self._purge = q(
-            f"DELETE FROM {t} WHERE expires_ms IS NOT NULL AND expires_ms <= ? AND key IN "
-            f"(SELECT key FROM {t} WHERE expires_ms IS NOT NULL AND expires_ms <= ? LIMIT ?)"
+            f"DELETE FROM {t} WHERE expires_ms IS NOT NULL AND expires_ms <= ? AND (scope, key) "
+            f"IN (SELECT scope, key FROM {t} WHERE expires_ms IS NOT NULL AND expires_ms <= ? "
+            "LIMIT ?)"
         )
 
     def schema(self) -> list[str]:
@@ -266,15 +277,16 @@ class SQLSchedule:
                 drops.append((now_ms, ref.scope, ref.key))
             verdicts.append(verdict)
         if drops:
-            yield Sql(self._dropped, drops, many=True)
+            yield Sql(self._dropped, sorted(drops, key=_row_key), many=True)
         return verdicts
 
     def finish(self, updates: Sequence[Update], now_ms: int) -> Program[None]:
-        """`rules.finish` for each update: one statement per kind."""
+        """`rules.finish` for each update: one statement per kind, its rows in (scope,
+        key) order (see `place_many`)."""
         handled: list[tuple[Any, ...]] = []
         parked: list[tuple[Any, ...]] = []
         retried: list[tuple[Any, ...]] = []
-        for u in updates:
+        for u in sorted(updates, key=lambda u: (u.ref.scope, u.ref.key)):
             where = (u.ref.scope, u.ref.key, u.ref.generation)
             if u.finished is Finished.HANDLED:
                 handled.append((now_ms, now_ms + u.retention_ms, *where))
@@ -329,10 +341,14 @@ class SQLSchedule:
             if new is not None:
                 found[at] = latest[at] = new
             placed.append(answer)
-        inserts = [_row(r) for at, r in latest.items() if at not in original]
+        # Rows are written in (scope, key) order: on PostgreSQL two transactions placing
+        # some of the same keys take their row locks in one order, and one waits for the
+        # other instead of both deadlocking.
+        ordered = sorted(latest.items())
+        inserts = [_row(r) for at, r in ordered if at not in original]
         updates = [
             (*_row(r)[2:], r.scope, r.key, original[at].generation, original[at].state.value)
-            for at, r in latest.items()
+            for at, r in ordered
             if at in original
         ]
         yield Sql("SAVEPOINT rd_place")
@@ -348,17 +364,20 @@ class SQLSchedule:
         return placed
 
     def _place_each(self, entries: Sequence[Entry], now_ms: int) -> Program[list[Placed]]:
-        placed: list[Placed] = []
-        for entry in entries:
+        """Entry by entry, in (scope, key) order (see `place_many`); the answers in the
+        entries' order (a key twice keeps its order: the sort is stable)."""
+        placed: dict[int, Placed] = {}
+        for i in sorted(range(len(entries)), key=lambda i: (entries[i].scope, entries[i].key)):
+            entry = entries[i]
             for _ in range(_CAS_ATTEMPTS):
                 old = yield from self._read(entry.scope, entry.key, lock=True)
                 answer, new = rules.place(old, entry, now_ms)
                 if new is None or (yield from self._write(old, new)):
-                    placed.append(answer)
+                    placed[i] = answer
                     break
             else:
                 raise RuntimeError(f"schedule key {entry.key!r} kept changing while being placed")
-        return placed
+        return [placed[i] for i in range(len(entries))]
 
     def lookup(self, scope: str, key: str) -> Program[ScheduleRecord | None]:
         return (yield from self._read(scope, key, lock=False))
@@ -379,8 +398,10 @@ class SQLSchedule:
             where.append("due_ms >= ?")
             args.append(query.due_after_ms)
         if query.after is not None:
-            where.append("(due_ms > ? OR (due_ms = ? AND key > ?))")
-            args.extend((query.after[0], query.after[0], query.after[1]))
+            # a row value: both databases seek the (due_ms, key) index to the cursor
+            # (an OR of the two columns would scan the scope from its start)
+            where.append("(due_ms, key) > (?, ?)")
+            args.extend(query.after)
         limit = min(max(query.limit, 1), MAX_PAGE)
         sql = self.dialect.sql(
             f"SELECT {_COLUMNS} FROM {self.table} WHERE {' AND '.join(where)} "
@@ -441,6 +462,27 @@ class SQLSchedule:
         return int((yield Sql(self._purge, (now_ms, now_ms, slice_rows), "rowcount")))
 
 
+def _row_key(row: tuple[Any, ...]) -> tuple[Any, ...]:
+    """(scope, key) of a `_dropped` row: (now, scope, key)."""
+    return row[1:]
+
+
+def pipelined(program: Program[T]) -> Program[T]:
+    """`program`, to be run in a psycopg pipeline: there a statement whose rows are read
+    waits for the server (the round trip ends there) and the others are only queued, so
+    their row counts are not known yet; a statement asking for one is refused
+    (`finish` and `check` ask for none)."""
+    try:
+        statement = next(program)
+        while True:
+            if statement.fetch == "rowcount":
+                raise ValueError(f"a row count is not known in a pipeline: {statement.text}")
+            statement = program.send((yield statement))
+    except StopIteration as stop:
+        result: T = stop.value
+        return result
+
+
 def run_sync(cursor: Any, program: Program[T]) -> T:
     """Run `program` on a DB-API cursor (sqlite3, psycopg)."""
     try:
@@ -497,6 +539,7 @@ __all__ = [
     "Placement",
     "SQLSchedule",
     "Sql",
+    "pipelined",
     "run_async",
     "run_sync",
 ]

@@ -311,7 +311,11 @@ def test_a_schema_of_its_own_through_the_url(pg_url: str) -> None:
         assert store.claim("k", "a", now_ms=T0, lease_ms=LEASE) is CLAIMED
         store.close()
         tables = sql(pg_url, "SELECT tablename FROM pg_tables WHERE schemaname = %s", (schema,))
-        assert tables == [("rabbit_delay_idempotency",)]
+        # with the schedule's, created beside it (issue 21)
+        assert sorted(tables) == [
+            ("rabbit_delay_idempotency",),
+            ("rabbit_delay_idempotency_schedule",),
+        ]
     finally:
         sql(pg_url, f"DROP SCHEMA {schema} CASCADE")
 
