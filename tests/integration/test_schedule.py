@@ -346,3 +346,104 @@ async def test_the_async_publisher_and_schedule(
         assert (await alone.lookup("a-1")).generation == 1
         with pytest.raises(Exception, match="publishes"):
             await alone.reschedule("a-1", "1s")
+
+
+def test_workers_in_two_processes_sharing_postgresql_run_no_key_twice(
+    broker_url: str, make_topology: MakeTopology, tmp_path: Path
+) -> None:
+    import signal
+    import time
+    import uuid
+
+    psycopg = pytest.importorskip("psycopg")
+    pg_url = os.environ.get(
+        "RABBIT_DELAY_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
+    )
+    try:
+        psycopg.connect(pg_url, connect_timeout=3).close()
+    except Exception as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"no PostgreSQL at {pg_url}: {exc}")
+        pytest.skip(f"no PostgreSQL at {pg_url}: {exc}")
+    schema = "rd_test_" + uuid.uuid4().hex[:12]
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+    sep = "&" if "?" in pg_url else "?"
+    store_url = f"{pg_url}{sep}options=-csearch_path%3D{schema}"
+    workers: list[subprocess.Popen[bytes]] = []
+    try:
+        data = {
+            **schedule_data(tmp_path),
+            "idempotency": {"store": "postgres", "url": store_url},
+        }
+        topology = make_topology(**data)
+        declared(topology, broker_url)
+        path = tmp_path / "topology.json"
+        path.write_text(json.dumps({"namespace": topology.namespace, **data}))
+        effects = tmp_path / "effects"
+        effects.mkdir()
+        (tmp_path / "shared_app.py").write_text(
+            textwrap.dedent(
+                f"""
+                import json, os, pathlib
+                from rabbit_delay import App, topology_from_dict
+
+                data = json.loads(pathlib.Path({str(path)!r}).read_text())
+                app = App(topology_from_dict(data))
+                out = pathlib.Path({str(effects)!r}) / f"{{os.getpid()}}.txt"
+
+                @app.consumer({QUEUE!r})
+                def handle(msg: bytes, ctx) -> None:
+                    with out.open("a") as f:
+                        f.write(ctx.headers["rd-key"] + "\\n")
+                """
+            )
+        )
+        env = {**os.environ, "PYTHONPATH": str(tmp_path), "RABBIT_DELAY_URL": broker_url}
+        for transport in ("sync", "async"):
+            workers.append(
+                subprocess.Popen(
+                    [
+                        str(Path(sys.executable).with_name("rabbit-delay")),
+                        "worker",
+                        "shared_app:app",
+                        "--transport",
+                        transport,
+                    ],
+                    env=env,
+                    cwd=tmp_path,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                )
+            )
+        keys = [f"order-{n}" for n in range(200)]
+        with Publisher(topology, broker_url) as publisher:
+            bodies = [{"n": n} for n in range(200)]
+            publisher.publish_many(bodies, "1s", queue=QUEUE, keys=keys)
+            # every key published again (replace): 400 messages, 200 of them stale
+            publisher.publish_many(bodies, "1s", queue=QUEUE, keys=keys)
+
+        def handled() -> list[str]:
+            return [line for f in effects.glob("*.txt") for line in f.read_text().split()]
+
+        wait_for(lambda: len(handled()) >= 200, 60, "200 keys handled")
+        with Schedule(topology) as schedule:
+            wait_for(
+                lambda: schedule.list(state="scheduled", limit=1) == [],
+                30,
+                "every record handled",
+            )
+            dropped = sum(schedule.lookup(k).dropped for k in keys)
+        time.sleep(1.0)  # a copy run twice would show now
+    finally:
+        for worker in workers:
+            worker.send_signal(signal.SIGTERM)
+        for worker in workers:
+            worker.wait(timeout=30)
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA {schema} CASCADE")
+    runs = Counter(handled())
+    assert sorted(runs) == sorted(keys)
+    assert set(runs.values()) == {1}  # no key ran twice
+    assert dropped == 200  # every stale copy dropped
+    assert len(list(effects.glob("*.txt"))) == 2, "both workers took part"
