@@ -32,7 +32,7 @@ from rabbit_delay._aio.connection import close_quietly, connect_first, plain_cha
 from rabbit_delay._aio.errors import mapped
 from rabbit_delay._connection import ConnectionSettings, failover_order
 from rabbit_delay._envelope import Outgoing
-from rabbit_delay._errors import RabbitDelayError
+from rabbit_delay._errors import RabbitDelayError, StoreError
 from rabbit_delay._idempotency.guard import run_async
 from rabbit_delay._observe import tracing
 from rabbit_delay._publishing.confirms import (
@@ -277,12 +277,39 @@ class AsyncPublisher(PublisherCore[Coroutine[Any, Any, str], Coroutine[Any, Any,
         the message ids concerned; on a connection you passed in, a lost connection
         raises at once."""
         outs = list(messages)
-        if any(o.key is not None for o in outs):
+        if not any(o.key is not None for o in outs):
+            return await self._publish_ledger(outs)
+        chunks = self.record_chunks(outs)
+        if len(chunks) == 1:
             send, ids = await run_async(self.recording(outs))
             if send:
                 await self._publish_ledger(send)
             return ids
-        return await self._publish_ledger(outs)
+        return await self._publish_chunks(chunks)
+
+    async def _publish_chunks(self, chunks: list[list[Outgoing]]) -> list[str]:
+        """Record chunk i + 1 (a task of its own) while chunk i is sent."""
+        ids: list[str] = []
+        pending = asyncio.ensure_future(run_async(self.recording(chunks[0])))
+        for i in range(len(chunks)):
+            try:
+                send, got = await pending
+            except StoreError as exc:
+                raise self.sent_before(exc, ids) from exc.__cause__
+            later = i + 1 < len(chunks)
+            if later:
+                pending = asyncio.ensure_future(run_async(self.recording(chunks[i + 1])))
+            if send:
+                try:
+                    await self._publish_ledger(send)
+                except RabbitDelayError as failure:
+                    if later:
+                        with contextlib.suppress(Exception):  # no write after the call ends
+                            await pending
+                    unsent = [o.message_id for chunk in chunks[i + 1 :] for o in chunk]
+                    raise self.unsent_too(failure, unsent) from None
+            ids.extend(got)
+        return ids
 
     async def _publish_ledger(self, messages: Iterable[Outgoing]) -> list[str]:
         ledger = self.ledger(messages)

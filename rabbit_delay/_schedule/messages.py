@@ -3,7 +3,6 @@ the message a record is published again as (a sweep, a reschedule). Pure."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
@@ -99,6 +98,8 @@ def payload_headers(headers: Mapping[str, object]) -> dict[str, Any]:
     """The headers a record keeps: the sender's own, which must be JSON values (a
     scheduled message is published again from its record). Raises EncodeError."""
     kept = {k: v for k, v in headers.items() if k not in _ROUTE_HEADERS and not k.startswith("x-")}
+    if not kept:
+        return kept
     try:
         json.dumps(kept, allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -128,11 +129,11 @@ def entry_of(out: Outgoing, scope: str, queue: str, grace_ms: int) -> Entry:
 
 
 def stamped(out: Outgoing, placed: Placed) -> Outgoing:
-    """`out` as the generation the schedule gave it."""
-    headers = dict(out.headers)
-    headers[h.H_KEY] = out.key
-    headers[h.H_GENERATION] = placed.generation
-    return dataclasses.replace(out, headers=headers)
+    """`out` as the generation the schedule gave it: its headers (a dict of its own,
+    made by `outgoing()` for this call) get rd-key and rd-generation."""
+    out.headers[h.H_KEY] = out.key
+    out.headers[h.H_GENERATION] = placed.generation
+    return out
 
 
 def send_list(

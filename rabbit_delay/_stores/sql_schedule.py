@@ -156,6 +156,41 @@ def _record(row: Sequence[Any], with_payload: bool) -> ScheduleRecord:
     )
 
 
+def _at(entry: Entry) -> tuple[str, str]:
+    return entry.scope, entry.key
+
+
+def new_row(entry: Entry, now_ms: int) -> tuple[Any, ...]:
+    """`_row(rules.place(None, entry, now_ms)[1])` without the record in between (a new
+    key is most publishes; tests/unit/test_schedule.py holds the two equal)."""
+    payload = entry.payload
+    return (
+        entry.scope,
+        entry.key,
+        1,
+        "scheduled",
+        entry.queue,
+        entry.due_ms,
+        entry.message_id,
+        now_ms,
+        now_ms,
+        0,
+        None,
+        None,
+        entry.sweep_ms,
+        0,
+        0,
+        0,
+        payload.body,
+        payload.content_type,
+        _headers_json(payload.headers),
+    )
+
+
+def _headers_json(headers: Any) -> str:
+    return json.dumps(dict(headers), separators=(",", ":")) if headers else "{}"
+
+
 def _row(record: ScheduleRecord) -> tuple[Any, ...]:
     payload = record.payload
     return (
@@ -177,7 +212,7 @@ def _row(record: ScheduleRecord) -> tuple[Any, ...]:
         record.republished,
         None if payload is None else payload.body,
         None if payload is None else payload.content_type,
-        None if payload is None else json.dumps(dict(payload.headers), separators=(",", ":")),
+        None if payload is None else _headers_json(payload.headers),
     )
 
 
@@ -320,6 +355,17 @@ class SQLSchedule:
         (one statement per `_KEYS_PER_READ` keys), the new ones inserted and the others
         compare-and-set in one executemany each. When another writer changed a row in
         between (PostgreSQL), the batch is placed again entry by entry."""
+        at_keys = {(e.scope, e.key) for e in entries}
+        if len(at_keys) == len(entries):
+            # Usually every key is new (a message_id): insert them all, and only when some
+            # row existed read and place them one by one below.
+            yield Sql("SAVEPOINT rd_new")
+            rows = [new_row(e, now_ms) for e in sorted(entries, key=_at)]
+            inserted = yield Sql(self._insert, rows, "rowcount", many=True)
+            if inserted == len(rows):
+                yield Sql("RELEASE SAVEPOINT rd_new")
+                return [Placed(Placement.CREATED, 1, e.message_id, e.due_ms) for e in entries]
+            yield Sql("ROLLBACK TO SAVEPOINT rd_new")
         found: dict[tuple[str, str], ScheduleRecord] = {}
         by_scope: dict[str, list[str]] = {}
         for entry in entries:

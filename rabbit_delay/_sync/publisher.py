@@ -16,6 +16,7 @@ import contextlib
 import time
 import weakref
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from types import TracebackType
 from typing import Any, Self, Unpack
@@ -28,7 +29,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 
 from rabbit_delay._connection import ConnectionSettings, failover_order
 from rabbit_delay._envelope import Outgoing
-from rabbit_delay._errors import BrokerBlocked, RabbitDelayError
+from rabbit_delay._errors import BrokerBlocked, RabbitDelayError, StoreError
 from rabbit_delay._idempotency.guard import run
 from rabbit_delay._observe import tracing
 from rabbit_delay._publishing.confirms import (
@@ -111,6 +112,7 @@ class Publisher(PublisherCore[str, list[str]]):
         )
         self._own_store: Any = None  # the [idempotency] store opened for the schedule
         self._schedule: Schedule | None = None
+        self._recorder: ThreadPoolExecutor | None = None  # writes records beside the sends
         self.connection = connection
         self._channel: BlockingChannel | None = None
         self._impl: Any = None  # the non-blocking channel underneath: see module docstring
@@ -171,6 +173,9 @@ class Publisher(PublisherCore[str, list[str]]):
         it opened for the schedule). Idempotent; a connection the broker already dropped
         needs nothing."""
         store, self._own_store, self._book = self._own_store, None, None
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
+            recorder.shutdown(wait=True)
         if store is not None:
             with contextlib.suppress(Exception):
                 store.close()
@@ -268,11 +273,40 @@ class Publisher(PublisherCore[str, list[str]]):
         UnconfirmedError / BrokerBlocked past the recovery or blocked deadline, each naming
         the message ids concerned; on a connection you passed in, a lost connection
         raises at once."""
-        send, ids = self._recorded(messages)
-        if send:
-            _ledger, failure = self._tracked(send)
-            if failure is not None:
-                raise failure
+        outs = list(messages)
+        chunks = self.record_chunks(outs) if any(o.key is not None for o in outs) else []
+        if len(chunks) < 2:
+            send, ids = self._recorded(outs)
+            if send:
+                _ledger, failure = self._tracked(send)
+                if failure is not None:
+                    raise failure
+            return ids
+        return self._publish_chunks(chunks)
+
+    def _publish_chunks(self, chunks: list[list[Outgoing]]) -> list[str]:
+        """Record chunk i + 1 (on the recorder thread) while chunk i is sent."""
+        if self._recorder is None:
+            self._recorder = ThreadPoolExecutor(1, thread_name_prefix="rabbit-delay-record")
+        ids: list[str] = []
+        pending = self._recorder.submit(run, self.recording(chunks[0]))
+        for i in range(len(chunks)):
+            try:
+                send, got = pending.result()
+            except StoreError as exc:
+                raise self.sent_before(exc, ids) from exc.__cause__
+            later = i + 1 < len(chunks)
+            if later:
+                pending = self._recorder.submit(run, self.recording(chunks[i + 1]))
+            if send:
+                _ledger, failure = self._tracked(send)
+                if failure is not None:
+                    if later:
+                        with contextlib.suppress(Exception):  # no write after the call ends
+                            pending.result()
+                    unsent = [o.message_id for chunk in chunks[i + 1 :] for o in chunk]
+                    raise self.unsent_too(failure, unsent)
+            ids.extend(got)
         return ids
 
     def _recorded(self, messages: Iterable[Outgoing]) -> tuple[list[Outgoing], list[str]]:

@@ -105,3 +105,23 @@ def test_ref_of_headers(key: object, gen: object, ok: bool) -> None:
     assert (ref is not None) is ok
     if ref is not None:
         assert ref.key == "k"
+
+
+def test_the_sql_stores_new_row_is_the_rules_new_record() -> None:
+    from rabbit_delay._schedule.records import Entry, OnConflict, Payload
+    from rabbit_delay._stores.sql_schedule import _row, new_row
+
+    for headers in ({}, {"traceparent": "00-1-2-01", "n": [1, 2]}):
+        entry = Entry(
+            "scope",
+            "k",
+            "orders",
+            T0 + 5,
+            "m-1",
+            Payload(b"{}", "application/json", headers),
+            OnConflict.KEEP,
+            T0 + 65,
+        )
+        _placed, record = rules.place(None, entry, T0)
+        assert record is not None
+        assert new_row(entry, T0) == _row(record)
