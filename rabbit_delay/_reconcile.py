@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from rabbit_delay._durations import format_ms
 from rabbit_delay._envelope import Body, Outgoing, outgoing
 from rabbit_delay._errors import ConfigError, PublishError
-from rabbit_delay._idempotency.guard import ClaimResult, run
+from rabbit_delay._idempotency.guard import ClaimResult, run, run_async
 from rabbit_delay._publishing.core import DelayLike, PublisherCore
 from rabbit_delay._schedule.operations import ScheduleCore
 
@@ -96,6 +96,9 @@ class Reconciler:
     fn: Callable[..., Any]
     every_ms: int
     is_async: bool  # async def (or an async generator function): the async worker's
+    # An `async def` twin the async worker calls instead of `fn` (the schedule's sweeper,
+    # whose store may be asynchronous): a `def` for the sync worker, a coroutine for this.
+    async_fn: Callable[..., Any] | None = None
 
     @property
     def check_ms(self) -> int:
@@ -418,6 +421,24 @@ def sweep_schedule(ctx: ReconcileContext) -> list[Outgoing]:
         raise ConfigError(f"the store {type(app.store()).__name__} keeps no schedule")
     core = ScheduleCore(app.topology, lease_ms=app.lease_ms)
     outs, result = run(core.sweep(book, int(ctx.started_at.timestamp() * 1000)))
+    _log_sweep(outs, result)
+    return outs
+
+
+async def asweep_schedule(ctx: AsyncReconcileContext) -> list[Outgoing]:
+    """`sweep_schedule` for the async worker, through the app's async store."""
+    app = ctx.app
+    store = app.async_store()
+    book = getattr(store, "schedule", None)
+    if book is None:
+        raise ConfigError(f"the store {type(store).__name__} keeps no schedule")
+    core = ScheduleCore(app.topology, lease_ms=app.lease_ms)
+    outs, result = await run_async(core.sweep(book, int(ctx.started_at.timestamp() * 1000)))
+    _log_sweep(outs, result)
+    return outs
+
+
+def _log_sweep(outs: list[Outgoing], result: Any) -> None:
     if outs:
         log.warning(
             "schedule sweep: %d overdue message(s) republished (grace %s, workers' lateness "
@@ -427,7 +448,6 @@ def sweep_schedule(ctx: ReconcileContext) -> list[Outgoing]:
             "unknown" if result.lateness_ms is None else format_ms(result.lateness_ms),
             ", ".join(result.republished[:10]) + (" ..." if len(outs) > 10 else ""),
         )
-    return outs
 
 
 def count(result: ReconcileResult, metrics: Metrics | None) -> ReconcileResult:
@@ -532,6 +552,7 @@ __all__ = [
     "Reconciler",
     "Resubmit",
     "acollect",
+    "asweep_schedule",
     "collect",
     "now_utc",
     "reconcile_key",

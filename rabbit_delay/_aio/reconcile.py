@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -125,6 +126,11 @@ async def _call(app: App, guard: AsyncGuard, step: Call, publisher: AsyncPublish
     reconciler = step.reconciler
     renewing = asyncio.create_task(_renew(guard, step.key, step.owner, reconciler.name))
     try:
+        if reconciler.async_fn is not None:  # its async twin (the schedule's sweeper)
+            twin = dataclasses.replace(reconciler, fn=reconciler.async_fn, is_async=True)
+            return await acall(
+                twin, lambda at: AsyncReconcileContext(reconciler.name, app, at, publisher)
+            )
         if reconciler.is_async:
             return await acall(
                 reconciler,

@@ -12,6 +12,7 @@ Registration is pure: nothing connects until a worker runs the app.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -43,7 +44,13 @@ from rabbit_delay._idempotency.guard import (
     run,
     run_async,
 )
-from rabbit_delay._reconcile import SWEEPER, Reconciler, make_reconciler, sweep_schedule
+from rabbit_delay._reconcile import (
+    SWEEPER,
+    Reconciler,
+    asweep_schedule,
+    make_reconciler,
+    sweep_schedule,
+)
 from rabbit_delay._schedule.operations import ScheduleCore
 from rabbit_delay._schedule.records import Keeping, ScheduleState
 from rabbit_delay._schedule.rules import keeping
@@ -252,9 +259,8 @@ class App:
         self._installed = False  # a guard of rabbit_delay.testing is in place
         self._clock: Clock = clock_ms  # the guards' clock (rabbit_delay.testing's is virtual)
         if self.topology.schedule is not None:  # its sweeper: a reconciler of every app
-            self.reconcilers[SWEEPER] = make_reconciler(
-                sweep_schedule, self.topology.schedule.sweep_every, SWEEPER
-            )
+            sweeper = make_reconciler(sweep_schedule, self.topology.schedule.sweep_every, SWEEPER)
+            self.reconcilers[SWEEPER] = dataclasses.replace(sweeper, async_fn=asweep_schedule)
 
     # -- registration ------------------------------------------------------------------
 

@@ -182,36 +182,49 @@ local function copy(r)
   return c
 end
 
--- the record's entries in every index it belongs to: added (true) or removed (false)
-local function index(E, r, add)
+-- the record's entries in every index it belongs to: index key -> {score, member}
+local function entries_of(E, r)
   local b, m = base(E), enc(r.due_ms) .. '|' .. r.key
-  local entries = {
-    {b .. 'due:all', 0, m},
-    {b .. 'due:all:' .. r.queue, 0, m},
-    {b .. 'due:' .. r.state, 0, m},
-    {b .. 'due:' .. r.state .. ':' .. r.queue, 0, m},
-  }
-  if r.state == 'scheduled' and r.sweep_ms then
-    table.insert(entries, {b .. 'sweep', r.sweep_ms, r.key})
+  local t = {}
+  t[b .. 'due:all'] = {0, m}
+  t[b .. 'due:all:' .. r.queue] = {0, m}
+  t[b .. 'due:' .. r.state] = {0, m}
+  t[b .. 'due:' .. r.state .. ':' .. r.queue] = {0, m}
+  if r.state == 'scheduled' and r.sweep_ms then t[b .. 'sweep'] = {r.sweep_ms, r.key} end
+  if r.state == 'handled' then t[b .. 'handled'] = {r.updated_ms, r.key} end
+  if r.expires_ms then t[xkey()] = {r.expires_ms, E .. ':' .. r.key} end
+  return t
+end
+
+-- the record's index entries: every one removed (new = nil), or moved from `old` to
+-- `new`, touching only those that differ (a finish moves two of seven)
+local function reindex(E, old, new)
+  local before = old and entries_of(E, old) or {}
+  local after = new and entries_of(E, new) or {}
+  for k, e in pairs(before) do
+    local a = after[k]
+    if not a or a[2] ~= e[2] then redis.call('ZREM', k, e[2]) end
   end
-  if r.state == 'handled' then table.insert(entries, {b .. 'handled', r.updated_ms, r.key}) end
-  if r.expires_ms then table.insert(entries, {xkey(), r.expires_ms, E .. ':' .. r.key}) end
-  for _, e in ipairs(entries) do
-    if add then redis.call('ZADD', e[1], fmt(e[2]), e[3]) else redis.call('ZREM', e[1], e[3]) end
+  for k, e in pairs(after) do
+    local b = before[k]
+    if not b or b[2] ~= e[2] or b[1] ~= e[1] then redis.call('ZADD', k, fmt(e[1]), e[2]) end
   end
 end
 
--- write `new` over `old` (nil: a new record), its indexes with it; the payload
--- {body, content_type, headers} only when given
+local function index(E, r, add)
+  if add then reindex(E, nil, r) else reindex(E, r, nil) end
+end
+
+-- write `new` over `old` (nil: a new record), its indexes with it, only the fields and
+-- index entries that changed; the payload {body, content_type, headers} when given
 local function put_record(k, E, old, new, payload)
   enc(new.due_ms)
-  if old then index(E, old, false) end
   local args, gone = {}, {}
   for _, f in ipairs(COLS) do
     local x = new[f]
     if x == nil then
-      table.insert(gone, f)
-    else
+      if old and old[f] ~= nil then table.insert(gone, f) end
+    elseif not old or old[f] ~= x then
       if NUM[f] then x = fmt(x) end
       table.insert(args, f)
       table.insert(args, x)
@@ -223,9 +236,9 @@ local function put_record(k, E, old, new, payload)
       table.insert(args, payload[i])
     end
   end
-  redis.call('HSET', k, unpack(args))
-  if old and #gone > 0 then redis.call('HDEL', k, unpack(gone)) end
-  index(E, new, true)
+  if #args > 0 then redis.call('HSET', k, unpack(args)) end
+  if #gone > 0 then redis.call('HDEL', k, unpack(gone)) end
+  reindex(E, old, new)
 end
 
 -- delete at most n records expired by `now`, with their index entries; how many

@@ -447,3 +447,46 @@ def test_workers_in_two_processes_sharing_postgresql_run_no_key_twice(
     assert set(runs.values()) == {1}  # no key ran twice
     assert dropped == 200  # every stale copy dropped
     assert len(list(effects.glob("*.txt"))) == 2, "both workers took part"
+
+
+def test_the_async_workers_sweeper_uses_an_async_only_store(
+    broker_url: str, make_topology: MakeTopology, tmp_path: Path
+) -> None:
+    """Found by bench_schedule.py: with App(store=AsyncRedisStore(...)), the sweeper (a
+    `def` reconciler on a thread) asked the app for its sync store and failed every run."""
+    import uuid
+
+    redis = pytest.importorskip("redis")
+    from rabbit_delay.stores import AsyncRedisStore, RedisStore
+
+    url = os.environ.get("RABBIT_DELAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+    except redis.RedisError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"no Redis at {url}: {exc}")
+        pytest.skip(f"no Redis at {url}: {exc}")
+    prefix = f"rd-test:{uuid.uuid4().hex}:"
+    topology = schedule_topology(make_topology, tmp_path, grace="1s", sweep_every="1s")
+    declared(topology, broker_url)
+    try:
+        publisher_store = RedisStore(url, prefix=prefix)
+        with Publisher(topology, broker_url, store=publisher_store) as publisher:
+            publisher.publish_delayed({"order": 5}, "1s", queue=QUEUE, key="order-5")
+        publisher_store.close()
+        assert purge(broker_url, topology.tier_queues("1s")[0]) == 1
+        app = App(topology, store=AsyncRedisStore(url, prefix=prefix))
+        seen = Seen()
+        app.add_consumer(QUEUE, seen.handle)
+        worker = RunningWorker("async", app, broker_url, close_app=True).start()
+        try:
+            wait_for(lambda: seen.total >= 1, 30, "the message the sweeper republished")
+        finally:
+            worker.stop()
+        assert seen.bodies == Counter({b'{"order":5}': 1})
+    finally:
+        client = redis.Redis.from_url(url)
+        keys = list(client.scan_iter(match=prefix + "*", count=1000))
+        if keys:
+            client.delete(*keys)
+        client.close()
