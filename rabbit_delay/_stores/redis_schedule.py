@@ -286,19 +286,23 @@ local function place(k, E, scope, key, queue, due, mid, keep, sweep, payload, no
 end
 
 -- rules.check, and rules.dropped for a superseded or cancelled copy: the verdict or nil
+-- (two fields read; the whole record only for a copy dropped, which is rare)
 local function check(k, E, generation, now)
-  local r = get_record(k)
-  if not r or generation > r.generation then return nil end
+  local v = redis.call('HMGET', k, 'generation', 'state')
+  if not v[1] then return nil end
+  local current, state = tonumber(v[1]), v[2]
+  if generation > current then return nil end
   local verdict
-  if generation < r.generation then
+  if generation < current then
     verdict = 'superseded'
-  elseif r.state == 'cancelled' then
+  elseif state == 'cancelled' then
     verdict = 'cancelled'
-  elseif r.state == 'handled' then
+  elseif state == 'handled' then
     return 'handled'
   else
     return nil
   end
+  local r = get_record(k)
   local new = copy(r)
   new.dropped, new.updated_ms = r.dropped + 1, now
   put_record(k, E, r, new)
