@@ -70,8 +70,9 @@ class ScheduleBook(Protocol):
         ...
 
     def lateness(self, scope: str, *, since_ms: int, sample: int) -> int | None:
-        """The largest (updated - due) among at most `sample` records handled since
-        `since_ms`, the most recent first; None when none was."""
+        """The largest (updated - due) of the records handled since `since_ms`, among
+        (at least) the `sample` records finished last; None when there is none. A
+        sample, bounded in cost: the sweeper's hint of how late the workers run."""
         ...
 
     def count_due(self, scope: str, queue: str | None, edges: Sequence[int]) -> list[int]:
