@@ -80,7 +80,7 @@ class Sizes:
 
 
 FULL = Sizes(rounds=5, publish=20_000, consume=20_000)
-QUICK = Sizes(rounds=2, publish=3_000, consume=3_000)
+QUICK = Sizes(rounds=1, publish=2_000, consume=2_000)
 PUBLISH_TARGET = 0.7
 CONSUME_TARGET = 0.9
 
