@@ -7,6 +7,7 @@ Each case runs both workers where the worker matters (KINDS)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -371,6 +372,7 @@ def test_workers_in_two_processes_sharing_postgresql_run_no_key_twice(
     sep = "&" if "?" in pg_url else "?"
     store_url = f"{pg_url}{sep}options=-csearch_path%3D{schema}"
     workers: list[subprocess.Popen[bytes]] = []
+    logs = contextlib.ExitStack()
     try:
         data = {
             **schedule_data(tmp_path),
@@ -401,6 +403,8 @@ def test_workers_in_two_processes_sharing_postgresql_run_no_key_twice(
         )
         env = {**os.environ, "PYTHONPATH": str(tmp_path), "RABBIT_DELAY_URL": broker_url}
         for transport in ("sync", "async"):
+            # each worker's log to a file (a pipe nobody reads would fill up and block it)
+            log = logs.enter_context((tmp_path / f"worker-{transport}.log").open("wb"))
             workers.append(
                 subprocess.Popen(
                     [
@@ -413,7 +417,7 @@ def test_workers_in_two_processes_sharing_postgresql_run_no_key_twice(
                     env=env,
                     cwd=tmp_path,
                     stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
+                    stderr=log,
                 )
             )
         keys = [f"order-{n}" for n in range(200)]
@@ -440,6 +444,7 @@ def test_workers_in_two_processes_sharing_postgresql_run_no_key_twice(
             worker.send_signal(signal.SIGTERM)
         for worker in workers:
             worker.wait(timeout=30)
+        logs.close()
         with psycopg.connect(pg_url, autocommit=True) as conn:
             conn.execute(f"DROP SCHEMA {schema} CASCADE")
     runs = Counter(handled())
