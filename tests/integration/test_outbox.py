@@ -541,9 +541,17 @@ def test_cli_relay_stops_cleanly_on_sigterm(
 
 
 def test_returned_row_is_kept_and_sent_once_the_topology_is_fixed(
-    db: Db, declared: Callable[..., Topology], broker_url: str
+    db: Db,
+    declared: Callable[..., Topology],
+    broker_url: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from rabbit_delay.metrics import Metrics
+    from rabbit_delay.outbox import _core
+
+    # a refused row waits 1 s before it is tried again; 3 s here, so that the steps
+    # between the refusal and the look (a declare) fit in it on a loaded machine
+    monkeypatch.setattr(_core, "REFUSED_FIRST_MS", 3_000)
 
     topology = declared()
     outbox = Outbox(topology, table=db.table)
@@ -570,8 +578,8 @@ def test_returned_row_is_kept_and_sent_once_the_topology_is_fixed(
             declare(conn, topology)
         finally:
             conn.close()
-        assert relay.run_once().relayed == 0, "held back for 1 s after its refusal"
-        time.sleep(1.1)
+        assert relay.run_once().relayed == 0, "held back for 3 s after its refusal"
+        time.sleep(3.1)
         assert relay.run_once().relayed == 1
         assert relay.pending() == 0
     # due by now (created over 1 s ago): straight to its queue, rd-due-at unchanged
