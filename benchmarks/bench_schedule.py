@@ -278,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         contenders = {n: c for n, c in contenders.items() if n in wanted}
 
     samples: dict[str, list[float]] = {name: [] for name in contenders}
+    load_start = [round(x, 2) for x in os.getloadavg()]  # a shared machine: say how busy
     log(
         f"{sizes.publish} published / {sizes.consume} consumed x {rounds} rounds, "
         f"broker {redact(url)}"
@@ -327,7 +328,10 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     if args.json:
-        print(json.dumps({"sizes": sizes.__dict__, "rounds": rounds, "results": rows}, indent=2))
+        machine = {"cpus": os.cpu_count(), "load_average_start": load_start}
+        machine["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+        report = {"date": time.strftime("%Y-%m-%d"), "machine": machine, "sizes": sizes.__dict__}
+        print(json.dumps({**report, "rounds": rounds, "results": rows}, indent=2))
     else:
         print(f"\n{'contender':<26}{'msg/s':>10}{'ratio':>8}  {'vs':<16}{'target':>8}")
         for row in rows:
