@@ -16,6 +16,8 @@ Facts (checked on 3.10.8, 4.0.5 and 4.3.6; see shared/RABBITMQ_NOTES.md):
       classic queue declared without it
     delayed-message plugin can run              yes    yes       no (Mnesia removed)
     quorum delayed retry (x-delayed-retry-*)    no     no        yes
+    AMQP 1.0 `modified` + x-opt-delivery-time   no     no        yes
+      holds a quorum message until then
     unknown exchange type closes the            conn.  channel   channel
     quorum consumer over consumer_timeout       channel closed   basic.cancel (4.3)
     peeking a quorum tier buffer's head         late   early     free
@@ -142,6 +144,12 @@ class BrokerInfo:
     @property
     def supports_delayed_retry(self) -> bool:
         """Quorum queue delayed retry (`x-delayed-retry-*` queue arguments), 4.3+."""
+        return self.at_least(4, 3)
+
+    @property
+    def supports_held(self) -> bool:
+        """Does a quorum queue hold a message until the `x-opt-delivery-time` of an AMQP
+        1.0 `modified` settle (the [held] backend)? Measured on 4.3.6; not before 4.3."""
         return self.at_least(4, 3)
 
     @property

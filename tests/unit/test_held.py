@@ -1,0 +1,143 @@
+"""The [held] backend without a broker: the topology table, the holding queue's
+arguments, the refusal before RabbitMQ 4.3, the publishers' route and the holders'
+decision."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rabbit_delay import DelayError, IncompatibleBroker, Topology, TopologyError, topology_from_dict
+from rabbit_delay import _headers as h
+from rabbit_delay._broker import BrokerInfo
+from rabbit_delay._envelope import outgoing
+from rabbit_delay._plan.desired import HELD_DELIVERY_LIMIT, desired
+from rabbit_delay._plan.permissions import publish_targets
+from rabbit_delay._plan.refusals import broker_requirements, check_broker
+from rabbit_delay._topology.delays import HELD, Router
+
+BASE: dict[str, Any] = {
+    "namespace": "shop",
+    "tiers": {"5s": "5s"},
+    "queues": {"orders.cancel": {}, "push": {"bindings": ["push.any"]}},
+}
+
+
+def make(held: dict[str, Any] | None = None, **overrides: Any) -> Topology:
+    return topology_from_dict({**BASE, "held": held or {}, **overrides})
+
+
+def broker(version: str) -> BrokerInfo:
+    return BrokerInfo(version_text=version)
+
+
+# -- the table ------------------------------------------------------------------------------
+
+
+def test_held_is_one_of_the_arbitrary_delay_backends() -> None:
+    for other in ("cascade", "plugin"):
+        with pytest.raises(TopologyError, match="choose one arbitrary-delay backend"):
+            topology_from_dict({**BASE, "held": {}, other: {}})
+
+
+def test_held_needs_quorum_queues() -> None:
+    with pytest.raises(TopologyError, match=r"\[held\] needs quorum queues"):
+        make(queue_type="classic")
+
+
+def test_held_max_delay_bounds_the_idempotency_retention() -> None:
+    assert make().longest_delay_ms() == 49 * 86_400_000
+    assert make({"max_delay": "400d"}).longest_delay_ms() == 400 * 86_400_000
+    assert make().exact_delays
+
+
+def test_held_allows_exact_retry_backoff() -> None:
+    queues = {"orders.cancel": {"retry": {"backoff": {"initial": "1s"}}}}
+    assert make(queues=queues).queues["orders.cancel"].retry.backoff is not None
+
+
+# -- declarations ---------------------------------------------------------------------------
+
+
+def test_holding_queue_dead_letters_at_least_once_to_the_due_exchange() -> None:
+    topology = make()
+    n = topology.names
+    want = desired(topology)
+    assert want.held_queue == n.held_queue() == "shop.v1.held"
+    (queue,) = [q for q in want.queues if q.name == n.held_queue()]
+    assert dict(queue.arguments) == {
+        "x-queue-type": "quorum",
+        "x-dead-letter-exchange": n.due_exchange(),
+        "x-dead-letter-strategy": "at-least-once",
+        "x-overflow": "reject-publish",
+        # no x-dead-letter-routing-key: the message keeps its own, its business queue's
+        "x-delivery-limit": HELD_DELIVERY_LIMIT,
+        "x-queue-leader-locator": "balanced",
+    }
+    (exchange,) = [e for e in want.exchanges if e.name == n.held_exchange()]
+    assert exchange.type == "fanout"
+    assert [(b.source, b.routing_key) for b in want.bindings if b.destination == queue.name] == [
+        (n.held_exchange(), "")
+    ]
+
+
+def test_no_holding_queue_without_the_table() -> None:
+    topology = topology_from_dict(BASE)
+    want = desired(topology)
+    assert want.held_queue is None
+    assert topology.names.held_queue() not in {q.name for q in want.queues}
+
+
+@pytest.mark.parametrize("version", ["3.10.8", "4.0.5", "4.2.1", ""])
+def test_refused_before_rabbitmq_4_3(version: str) -> None:
+    want = desired(make())
+    (reason,) = broker_requirements(want, broker(version))
+    assert "[held]" in reason
+    assert "4.3" in reason
+    with pytest.raises(IncompatibleBroker, match="x-opt-delivery-time"):
+        check_broker(want, broker(version))
+
+
+@pytest.mark.parametrize("version", ["4.3.0", "4.3.6", "4.4.0", "5.0.0"])
+def test_accepted_from_rabbitmq_4_3(version: str) -> None:
+    check_broker(desired(make()), broker(version))
+
+
+# -- publishing -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["shop.v1.q.orders.cancel", "push.any"])
+def test_delays_go_to_the_holding_queue_with_the_business_key(key: str) -> None:
+    topology = make()
+    route = Router(topology).resolve(key, delay_ms=12_345)
+    assert (route.exchange, route.routing_key, route.tier) == ("shop.v1.held", key, HELD)
+    assert route.delay_ms == 12_345
+    assert route.asked_ms is None  # exact: nothing rounded
+    assert route.mandatory
+    message = outgoing(route, b"{}", "application/json", now=1_000_000)
+    assert message.headers[h.H_DUE_AT] == 1_012_345
+    assert message.headers[h.H_ASKED_DUE_AT] == 1_012_345
+    assert message.headers[h.H_TIER] == HELD
+
+
+def test_a_tier_delay_still_takes_its_tier() -> None:
+    route = Router(make()).resolve("shop.v1.q.push", delay_ms=5_000)
+    assert route.tier == "5s"
+
+
+def test_delays_past_max_delay_are_refused() -> None:
+    router = Router(make({"max_delay": "1h"}))
+    router.resolve("shop.v1.q.push", delay_ms=3_600_000)
+    with pytest.raises(DelayError, match=r"held\.max_delay"):
+        router.resolve("shop.v1.q.push", delay_ms=3_600_001)
+
+
+def test_remaining_delays_are_exact() -> None:
+    route = Router(make()).resolve_remaining("shop.v1.q.push", 777)
+    assert (route.tier, route.delay_ms) == (HELD, 777)
+
+
+def test_publishers_may_write_to_the_held_exchange() -> None:
+    assert "shop.v1.held" in publish_targets(make())
+    assert "shop.v1.held" not in publish_targets(topology_from_dict(BASE))
