@@ -1,6 +1,6 @@
 """The [held] backend without a broker: the topology table, the holding queue's
-arguments, the refusal before RabbitMQ 4.3, the publishers' route and the holders'
-decision."""
+arguments, the refusal before RabbitMQ 4.3, the publishers' route, the holders' decision
+and their error conditions."""
 
 from __future__ import annotations
 
@@ -8,10 +8,28 @@ from typing import Any
 
 import pytest
 
-from rabbit_delay import DelayError, IncompatibleBroker, Topology, TopologyError, topology_from_dict
+from rabbit_delay import (
+    AccessRefused,
+    ConfigError,
+    ConnectionLost,
+    DelayError,
+    IncompatibleBroker,
+    MissingObjectError,
+    Topology,
+    TopologyError,
+    topology_from_dict,
+)
 from rabbit_delay import _headers as h
 from rabbit_delay._broker import BrokerInfo
 from rabbit_delay._envelope import outgoing
+from rabbit_delay._held.rules import (
+    Hold,
+    Release,
+    ReleaseReason,
+    decide,
+    endpoint_of,
+    holding_address,
+)
 from rabbit_delay._plan.desired import HELD_DELIVERY_LIMIT, desired
 from rabbit_delay._plan.permissions import publish_targets
 from rabbit_delay._plan.refusals import broker_requirements, check_broker
@@ -141,3 +159,63 @@ def test_remaining_delays_are_exact() -> None:
 def test_publishers_may_write_to_the_held_exchange() -> None:
     assert "shop.v1.held" in publish_targets(make())
     assert "shop.v1.held" not in publish_targets(topology_from_dict(BASE))
+
+
+# -- the holders' decision -------------------------------------------------------------------
+
+
+def test_not_due_yet_is_held_until_its_due_time() -> None:
+    assert decide({h.H_DUE_AT: 10_000}, now_ms=9_999) == Hold(10_000)
+
+
+@pytest.mark.parametrize(("now", "late"), [(10_000, 0), (10_250, 250)])
+def test_due_is_released_with_its_lateness(now: int, late: int) -> None:
+    assert decide({h.H_DUE_AT: 10_000}, now_ms=now) == Release(ReleaseReason.DUE, late)
+
+
+@pytest.mark.parametrize("properties", [None, {}, {h.H_DUE_AT: "10000"}, {h.H_DUE_AT: True}])
+def test_without_a_readable_due_time_it_is_released_not_held_forever(
+    properties: dict[str, object] | None,
+) -> None:
+    assert decide(properties, now_ms=5) == Release(ReleaseReason.NO_DUE_TIME)
+
+
+def test_endpoint_from_the_workers_url() -> None:
+    ep = endpoint_of("amqps://app:p%40ss@rabbit.example:5671/shop%2Fprod")
+    assert (ep.host, ep.port, ep.user, ep.password, ep.tls) == (
+        "rabbit.example",
+        5671,
+        "app",
+        "p@ss",
+        True,
+    )
+    assert ep.open_hostname == "vhost:shop/prod"
+    assert endpoint_of("amqp://127.0.0.1").vhost == "/"
+    assert endpoint_of("amqp://127.0.0.1").port == 5672
+    with pytest.raises(ConfigError, match="amqp://"):
+        endpoint_of("http://127.0.0.1:15672/")
+
+
+def test_holding_address_is_the_v2_queue_address() -> None:
+    assert holding_address(make().names) == "/queues/shop.v1.held"
+
+
+# -- the AMQP 1.0 conditions -----------------------------------------------------------------
+
+
+def test_conditions_map_into_the_error_tree() -> None:
+    errors = pytest.importorskip("rabbit_delay._amqp10.errors", reason="the held extra")
+    refused = errors.condition_error("amqp:unauthorized-access", "no", doing="x")
+    assert isinstance(refused, AccessRefused)
+    missing = errors.condition_error("amqp:not-found", "no queue", doing="x", address="/queues/q")
+    assert isinstance(missing, MissingObjectError)
+    old = errors.condition_error(
+        "amqp:connection:framing-error",
+        "Expected SASL protocol header got: Unknown protocol ['AMQP\x00\x00\t\x01']",
+        doing="x",
+    )
+    assert isinstance(old, IncompatibleBroker)
+    assert "\x00" not in str(old)
+    lost = errors.condition_error("amqp:internal-error", "Connection forced", doing="x")
+    assert isinstance(lost, ConnectionLost)
+    assert [errors.fatal(e) for e in (refused, missing, old, lost)] == [True, True, True, False]
