@@ -4,15 +4,18 @@ and their error conditions."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
 from rabbit_delay import (
     AccessRefused,
+    App,
     ConfigError,
     ConnectionLost,
     DelayError,
+    HandlerContext,
     IncompatibleBroker,
     MissingObjectError,
     Topology,
@@ -34,6 +37,7 @@ from rabbit_delay._plan.desired import HELD_DELIVERY_LIMIT, desired
 from rabbit_delay._plan.permissions import publish_targets
 from rabbit_delay._plan.refusals import broker_requirements, check_broker
 from rabbit_delay._topology.delays import HELD, Router
+from rabbit_delay.testing import MemoryBroker, MemoryPublisher, TestBroker
 
 BASE: dict[str, Any] = {
     "namespace": "shop",
@@ -219,3 +223,71 @@ def test_conditions_map_into_the_error_tree() -> None:
     lost = errors.condition_error("amqp:internal-error", "Connection forced", doing="x")
     assert isinstance(lost, ConnectionLost)
     assert [errors.fatal(e) for e in (refused, missing, old, lost)] == [True, True, True, False]
+
+
+# -- the test kit ----------------------------------------------------------------------------
+
+
+def test_the_kit_holds_on_its_virtual_clock_and_delivers_exactly() -> None:
+    broker = MemoryBroker("4.3.6", start=datetime(2026, 1, 1, tzinfo=UTC))
+    topology = make()
+    broker.declare(topology)
+    publisher = MemoryPublisher(topology, broker)
+    n = topology.names
+    try:
+        for seconds, key in ((90.5, "shop.v1.q.push"), (3, "push.any"), (86_400 * 30, None)):
+            start = broker.now_ms()
+            if key is None:
+                publisher.publish_delayed({}, queue="orders.cancel", delay=seconds)
+                business = n.business_queue("orders.cancel")
+            else:
+                publisher.publish_delayed({}, routing_key=key, delay=seconds)
+                business = n.business_queue("push")
+            assert broker.depth(n.held_queue()) == 1  # held aside
+            assert broker.run_until(lambda b=business: broker.depth(b) > 0, "60d")
+            assert broker.now_ms() - start == round(seconds * 1000)  # exactly, never early
+            assert broker.depth(n.held_queue()) == 0
+            message = broker.get(business)
+            assert message is not None
+            assert message.headers[h.H_TIER] == HELD
+    finally:
+        broker.close()
+
+
+def test_the_kit_refuses_held_before_4_3() -> None:
+    broker = MemoryBroker("4.0.5")
+    try:
+        with pytest.raises(IncompatibleBroker, match=r"\[held\]"):
+            broker.declare(make())
+    finally:
+        broker.close()
+
+
+def test_exact_retries_through_the_holding_queue_in_the_kit() -> None:
+    """retry.backoff on a [held] topology: each retry waits exactly its delay (a copy
+    through the holding queue), then the message is parked."""
+    start = datetime(2030, 6, 1, 12, 0, tzinfo=UTC)
+    topology = make(
+        queues={
+            "orders.cancel": {
+                "retry": {
+                    "max_attempts": 4,
+                    "backoff": {"initial": "1.5s", "factor": 3.0, "max": "1h"},
+                }
+            },
+            "push": {},
+        }
+    )
+    app = App(topology)
+
+    def handler(_body: dict[str, object], ctx: HandlerContext) -> None:
+        raise ValueError("down")
+
+    app.add_consumer("orders.cancel", handler)
+    with TestBroker(app, start=start) as broker:
+        broker.publisher.publish_delayed({}, queue="orders.cancel", delay=10.25)
+        broker.run_until_idle()
+        assert broker.outcomes("orders.cancel") == ["retried", "retried", "retried", "parked"]
+        handled = broker.handled("orders.cancel")
+    offsets = [(r.at - start).total_seconds() for r in handled]
+    assert offsets == [10.25, 11.75, 16.25, 29.75]  # + 1.5 s, 4.5 s, 13.5 s: exact
