@@ -5,10 +5,16 @@ then dead-letter it to its business queue. Needs the `held` extra (python-qpid-p
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import rabbit_delay._cli.options as opt
 from rabbit_delay._errors import ConfigError
 from rabbit_delay._stop_signals import install_stop_signals
+from rabbit_delay._topology.model import Topology
+
+if TYPE_CHECKING:
+    from rabbit_delay._amqp10.holder import Holder
 
 log = logging.getLogger("rabbit_delay.hold")
 
@@ -25,21 +31,7 @@ def hold(
     message to one. Stops on SIGINT / SIGTERM; with --json, prints what it did then."""
     opt.configure_logging(log_level)
     with opt.errors_to_exit():
-        topology = opt.resolve_topology(file, topology_file)
-        urls = opt.url_for(url)
-        if topology.held is None:
-            raise ConfigError(
-                f"topology {topology.names.prefix!r} has no [held] table: there is nothing to "
-                "hold (docs/held.md)"
-            )
-        try:
-            from rabbit_delay._amqp10.holder import Holder
-        except ImportError:
-            raise ConfigError(
-                "`rabbit-delay hold` speaks AMQP 1.0 through python-qpid-proton: "
-                "pip install 'rabbit-delay[held]'"
-            ) from None
-        holder = Holder(topology, urls)
+        holder = holder_for(opt.resolve_topology(file, topology_file), opt.url_for(url))
         restore = install_stop_signals(lambda name: holder.stop(wait_s=0))
         try:
             holder.run()
@@ -65,3 +57,20 @@ def hold(
                 s.max_late_ms,
                 s.connects,
             )
+
+
+def holder_for(topology: Topology, urls: Sequence[str]) -> Holder:
+    """A holder of `topology`'s holding queue (`hold`, `worker --hold`). Raises
+    ConfigError without a [held] table or without the `held` extra."""
+    if topology.held is None:
+        raise ConfigError(
+            f"topology {topology.names.prefix!r} has no [held] table: there is nothing to "
+            "hold (docs/held.md)"
+        )
+    try:
+        from rabbit_delay._amqp10.holder import Holder
+    except ImportError:
+        raise ConfigError(
+            "holding speaks AMQP 1.0 through python-qpid-proton: pip install 'rabbit-delay[held]'"
+        ) from None
+    return Holder(topology, urls)

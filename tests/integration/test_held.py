@@ -181,6 +181,53 @@ def test_the_hold_command_holds_until_stopped(
     assert stats["released"] >= 1
 
 
+WORKER_APP = """\
+from rabbit_delay import App
+
+app = App({topology!r})
+
+
+@app.consumer("push")
+def push(message, ctx):
+    with open({seen!r}, "a") as seen:
+        seen.write(ctx.message_id + " " + str(ctx.lateness_ms) + "\\n")
+"""
+
+
+def test_a_worker_with_hold_holds_and_handles(
+    broker_url: str, held: Topology, tmp_path: Path
+) -> None:
+    path = tmp_path / "held.toml"
+    queues = "".join(f'[queues."{q}"]\n' for q in held.queues)
+    path.write_text(
+        f'namespace = "{held.namespace}"\n[tiers]\n1h = "1h"\n[held]\n{queues}', encoding="utf-8"
+    )
+    seen = tmp_path / "seen.txt"
+    (tmp_path / "held_app.py").write_text(
+        WORKER_APP.format(topology=str(path), seen=str(seen)), encoding="utf-8"
+    )
+    command = [sys.executable, "-m", "rabbit_delay", "worker", "held_app:app"]
+    process = subprocess.Popen(
+        [*command, "--app-dir", str(tmp_path), "--url", broker_url, "--hold"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        with Publisher(held, broker_url) as publisher:
+            sent = publisher.publish_delayed({}, queue="push", delay=3)
+        deadline = time.monotonic() + 20
+        while sent not in (seen.read_text() if seen.exists() else ""):
+            assert time.monotonic() < deadline, "the worker did not handle the held message"
+            time.sleep(0.1)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _out, err = process.communicate(timeout=30)
+    assert process.returncode == 0, err
+    [line] = seen.read_text().splitlines()
+    assert int(line.split()[1]) >= 0  # handled when due, not before
+
+
 def test_a_holder_without_the_holding_queue_stops_with_an_error(
     broker_url: str, broker_info: BrokerInfo
 ) -> None:

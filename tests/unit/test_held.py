@@ -23,7 +23,7 @@ from rabbit_delay import (
     topology_from_dict,
 )
 from rabbit_delay import _headers as h
-from rabbit_delay._broker import BrokerInfo
+from rabbit_delay._broker import BrokerInfo, QueueCounts
 from rabbit_delay._envelope import outgoing
 from rabbit_delay._held.rules import (
     Hold,
@@ -33,6 +33,8 @@ from rabbit_delay._held.rules import (
     endpoint_of,
     holding_address,
 )
+from rabbit_delay._ops.dashboard.rules import picture
+from rabbit_delay._ops.status.rules import QueueRole, Status, status_rows
 from rabbit_delay._plan.desired import HELD_DELIVERY_LIMIT, desired
 from rabbit_delay._plan.permissions import publish_targets
 from rabbit_delay._plan.refusals import broker_requirements, check_broker
@@ -291,3 +293,35 @@ def test_exact_retries_through_the_holding_queue_in_the_kit() -> None:
         handled = broker.handled("orders.cancel")
     offsets = [(r.at - start).total_seconds() for r in handled]
     assert offsets == [10.25, 11.75, 16.25, 29.75]  # + 1.5 s, 4.5 s, 13.5 s: exact
+
+
+# -- status ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ready", "consumers", "flagged"), [(3, 0, True), (3, 1, False), (0, 0, False)]
+)
+def test_status_flags_a_holding_queue_that_no_holder_consumes(
+    ready: int, consumers: int, flagged: bool
+) -> None:
+    topology = make()
+    names = topology.names
+    live = {spec.name: QueueCounts(ready=0, consumers=0) for spec in desired(topology).queues}
+    live[names.held_queue()] = QueueCounts(ready=ready, consumers=consumers)
+    rows = {row.name: row for row in status_rows(topology, live, None)}
+    row = rows[names.held_queue()]
+    assert row.role is QueueRole.HOLDING
+    assert row.attention is flagged
+    if flagged:
+        assert "rabbit-delay hold" in row.hints[0]
+
+
+def test_the_dashboard_draws_the_holding_queue_between_publish_and_due() -> None:
+    topology = make()
+    names = topology.names
+    live = {spec.name: QueueCounts(ready=0, consumers=1) for spec in desired(topology).queues}
+    rows = status_rows(topology, live, None)
+    status = Status("shop.v1", "amqp://x", "4.3.6", None, 0, rows, (), None, {}, "ok")
+    drawn = picture(status, names)
+    assert ("publish", names.held_queue()) in drawn.edges
+    assert (names.held_queue(), "due") in drawn.edges
