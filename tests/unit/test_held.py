@@ -97,6 +97,7 @@ def test_holding_queue_dead_letters_at_least_once_to_the_due_exchange() -> None:
         "x-overflow": "reject-publish",
         # no x-dead-letter-routing-key: the message keeps its own, its business queue's
         "x-delivery-limit": HELD_DELIVERY_LIMIT,
+        "x-consumer-disconnected-timeout": 5_000,
         "x-queue-leader-locator": "balanced",
     }
     (exchange,) = [e for e in want.exchanges if e.name == n.held_exchange()]
