@@ -2,17 +2,17 @@
 """The [held] backend (RabbitMQ 4.3+) against the cascade and the tiers, in one run on
 the same broker, with a holder (`rabbit-delay hold`) in a process of its own.
 
-    lateness    random delays (0.1..60 s; --quick 0.1..5 s) sent at a steady pace to the
+    lateness    random delays (0.1..60 s; --quick 0.1..3 s) sent at a steady pace to the
                 held backend and the cascade at the same time (the same delays to both),
-                and a 5 s tier beside them: arrival (a consumer thread, this machine's
+                and a 5 s tier (--quick 2 s) beside them: arrival (a consumer thread, this machine's
                 clock) minus `rd-due-at` (p50/p99/max) and minus the time asked for
                 (the cascade rounds delays UP to its 1 s resolution). "early" counts
                 arrivals before `rd-due-at`: must be 0.
     publish     confirmed publishes/s through the sync Publisher (window 256), rounds in
                 which the backends take turns (bench_delays.run_rates); the ratio to the
                 tier is the median of the per-round ratios.
-    burst       N messages published at once with a 5 s delay (held: exact 5 s; tier: the
-                5 s tier), the holder running: end-to-end throughput (arrivals/s, first to
+    burst       N messages published at once with the tier's delay (held: exact; tier: the
+                tier), the holder running: end-to-end throughput (arrivals/s, first to
                 last arrival) and lateness p99 of the burst. The holder settles every
                 message twice (hold, then release): this is the holding path's throughput.
 
@@ -70,12 +70,15 @@ class Sizes:
     rounds: int
     per_round: int
     burst: int
+    due_s: int  # the tier's delay, and the burst's
 
 
 FULL = Sizes(
-    lateness=1_000, max_delay_s=60, pace_per_s=50, rounds=20, per_round=1_000, burst=20_000
+    lateness=1_000, max_delay_s=60, pace_per_s=50, rounds=20, per_round=1_000, burst=20_000, due_s=5
 )
-QUICK = Sizes(lateness=100, max_delay_s=5, pace_per_s=50, rounds=4, per_round=300, burst=1_000)
+QUICK = Sizes(
+    lateness=60, max_delay_s=3, pace_per_s=60, rounds=3, per_round=300, burst=600, due_s=2
+)
 
 
 class HeldBackend(Backend):
@@ -85,16 +88,16 @@ class HeldBackend(Backend):
         return super().holding_queues()
 
 
-def make_topology(backend: str) -> Topology:
+def make_topology(backend: str, due_s: int) -> Topology:
     """One topology per backend (each its own business queue to measure). Only the tier's
-    has the 5 s tier: a delay equal to a tier takes the tier, whatever the backend."""
+    has the tier of `due_s`: a delay equal to a tier takes the tier, whatever the backend."""
     data: dict[str, Any] = {
         "namespace": "bench-" + uuid.uuid4().hex[:8],
         "tiers": {"park": "1h"},
         "queues": {QUEUE: {}},
     }
     if backend == "tier":
-        data["tiers"]["due"] = "5s"
+        data["tiers"]["due"] = f"{due_s}s"
     else:
         data[backend] = {}
     return topology_from_dict(data, source="<bench_held>")
@@ -172,7 +175,7 @@ def wait_all(consumers: dict[str, Consumer], sent: int, timeout: float) -> None:
 
 
 def lateness(url: str, topologies: dict[str, Topology], sizes: Sizes) -> dict[str, Any]:
-    """Held and cascade get the same random delays, the tier its 5 s, interleaved."""
+    """Held and cascade get the same random delays, the tier its own, interleaved."""
     consumers = {
         name: Consumer(url, topology.names.business_queue(QUEUE))
         for name, topology in topologies.items()
@@ -189,7 +192,9 @@ def lateness(url: str, topologies: dict[str, Topology], sizes: Sizes) -> dict[st
             for name, publisher in publishers.items():
                 now = now_ms()
                 if name == "tier":
-                    publisher.publish_delayed(BODY, "due", queue=QUEUE, headers={ASKED: now + 5000})
+                    publisher.publish_delayed(
+                        BODY, "due", queue=QUEUE, headers={ASKED: now + sizes.due_s * 1000}
+                    )
                 else:
                     asked = now + round(delay * 1000)
                     publisher.publish_delayed(
@@ -208,7 +213,7 @@ def lateness(url: str, topologies: dict[str, Topology], sizes: Sizes) -> dict[st
     }
 
 
-def burst(url: str, name: str, topology: Topology, count: int) -> dict[str, Any]:
+def burst(url: str, name: str, topology: Topology, count: int, due_s: int) -> dict[str, Any]:
     consumer = Consumer(url, topology.names.business_queue(QUEUE))
     consumer.start()
     consumer.ready.wait(15)
@@ -218,10 +223,14 @@ def burst(url: str, name: str, topology: Topology, count: int) -> dict[str, Any]
         for _ in range(count):
             now = now_ms()
             if name == "tier":
-                out.append(publisher.prepare(BODY, "due", queue=QUEUE, headers={ASKED: now + 5000}))
+                out.append(
+                    publisher.prepare(BODY, "due", queue=QUEUE, headers={ASKED: now + due_s * 1000})
+                )
             else:
                 out.append(
-                    publisher.prepare(BODY, queue=QUEUE, delay=5, headers={ASKED: now + 5000})
+                    publisher.prepare(
+                        BODY, queue=QUEUE, delay=due_s, headers={ASKED: now + due_s * 1000}
+                    )
                 )
         publisher.publish_outgoing(out)
         publish_s = time.perf_counter() - t0
@@ -260,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"the [held] backend needs RabbitMQ 4.3+; {redact(url)} runs {version}")
         return 2
     started = time.monotonic()
-    topologies = {name: make_topology(name) for name in ("held", "cascade", "tier")}
+    topologies = {name: make_topology(name, sizes.due_s) for name in ("held", "cascade", "tier")}
     for topology in topologies.values():
         declare(url, topology)
     result: dict[str, Any] = {
@@ -301,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"lateness: {json.dumps(result['lateness'])}")
         result["burst"] = {}
         for name in ("tier", "held"):
-            log(f"burst {name}: {sizes.burst} messages, 5 s")
-            result["burst"][name] = burst(url, name, topologies[name], sizes.burst)
+            log(f"burst {name}: {sizes.burst} messages, {sizes.due_s} s")
+            result["burst"][name] = burst(url, name, topologies[name], sizes.burst, sizes.due_s)
             log(f"burst {name}: {json.dumps(result['burst'][name])}")
         tier_burst = result["burst"]["tier"]["arrivals_msg_s"]
         held_burst = result["burst"]["held"]["arrivals_msg_s"]
