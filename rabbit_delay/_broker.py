@@ -193,7 +193,9 @@ class QueueCounts:
     not confirmed yet, in neither ready nor unacked; and `head_timestamp`, the AMQP
     `timestamp` (seconds) of the message at the head, which a classic queue reports
     (`head_message_timestamp`) when that message has one (quorum queues do not, 3.10 to
-    4.3).
+    4.3); for a 4.3+ quorum queue, `delayed`, its messages held until a given time (the
+    [held] backend's holds; not in `ready`, nor in a passive declare's count), and
+    `next_delayed_at`, the earliest of those times.
     """
 
     ready: int | None
@@ -204,6 +206,10 @@ class QueueCounts:
     online: tuple[str, ...] | None = None
     dead_lettering: int | None = None
     head_timestamp: int | None = None
+    # A 4.3+ quorum queue's messages held until a given time (the [held] backend, or
+    # delayed retry) and the earliest of those times (UTC ms): API only.
+    delayed: int | None = None
+    next_delayed_at: int | None = None
 
     @property
     def held(self) -> int:

@@ -33,6 +33,7 @@ from rabbit_delay._held.rules import (
     endpoint_of,
     holding_address,
 )
+from rabbit_delay._io.management import counts_from_api
 from rabbit_delay._ops.dashboard.rules import picture
 from rabbit_delay._ops.status.rules import QueueRole, Status, status_rows
 from rabbit_delay._plan.desired import HELD_DELIVERY_LIMIT, desired
@@ -326,3 +327,26 @@ def test_the_dashboard_draws_the_holding_queue_between_publish_and_due() -> None
     drawn = picture(status, names)
     assert ("publish", names.held_queue()) in drawn.edges
     assert (names.held_queue(), "due") in drawn.edges
+
+
+def test_status_shows_how_many_are_held_and_the_next_due_time() -> None:
+    topology = make()
+    names = topology.names
+    api_row = {
+        "name": names.held_queue(),
+        "type": "quorum",
+        "messages_ready": 0,
+        "messages_unacknowledged": 0,
+        "consumers": 2,
+        "messages_delayed": 50,
+        "next_delayed_at": 1_796_485_463_586,
+    }
+    counts = counts_from_api(api_row)
+    assert (counts.delayed, counts.next_delayed_at) == (50, 1_796_485_463_586)
+    live = {spec.name: QueueCounts(ready=0, consumers=1) for spec in desired(topology).queues}
+    live[names.held_queue()] = QueueCounts(ready=50, consumers=2)
+    rows = {r.name: r for r in status_rows(topology, live, {names.held_queue(): counts})}
+    row = rows[names.held_queue()]
+    assert (row.held, row.attention) == (50, False)
+    assert row.notes == ["50 held, the next due 2026-12-05T15:44:23.586Z"]
+    assert row.as_json()["next_due_at"] == "2026-12-05T15:44:23.586Z"

@@ -9,7 +9,7 @@ What needs attention (`Status.attention`, exit 3 under `status --check`):
   - an object of the topology the broker does not have (a queue or an exchange);
   - a parking lot or the catch-all that holds messages;
   - a tier buffer or cascade level with consumers (a bug: they take messages early);
-  - a holding queue ([held]) with messages and no consumer: no holder runs, its
+  - a holding queue ([held]) with ready messages and no consumer: no holder runs, its
     messages wait past their due time;
   - a buffer whose oldest message is older than its TTL plus a margin: stuck;
   - a quorum queue with less than a majority of its members online.
@@ -99,6 +99,10 @@ class QueueRow:
     # broker cannot tell), and from where that is known.
     oldest_age_ms: int | None = None
     age_source: str | None = None
+    # The holding queue ([held]): messages held until their due time and the next of
+    # those times (UTC ms), from the management API of RabbitMQ 4.3+.
+    held: int | None = None
+    next_due_at_ms: int | None = None
     notes: list[str] = field(default_factory=list)
     # One line per flag: what to do about it.
     hints: list[str] = field(default_factory=list)
@@ -135,6 +139,8 @@ class QueueRow:
             "members": list(self.members) if self.members is not None else None,
             "online": list(self.online) if self.online is not None else None,
             "dead_lettering": self.dead_lettering,
+            "held": self.held,
+            "next_due_at": iso_ms(self.next_due_at_ms) if self.next_due_at_ms else None,
             "oldest_age_ms": self.oldest_age_ms,
             "oldest_age": format_ms(self.oldest_age_ms) if self.oldest_age_ms is not None else None,
             **fields_json(self, "age_source", "stuck", "attention", "notes", "hints"),
@@ -205,6 +211,11 @@ def status_rows(
         )
         if role in BUFFER_ROLES and exists and ready:
             _age(row, heads, stats, now_ms)
+        if role is QueueRole.HOLDING and stats is not None and stats.delayed is not None:
+            row.held, row.next_due_at_ms = stats.delayed, stats.next_delayed_at
+            if row.held:
+                nxt = f", the next due {iso_ms(row.next_due_at_ms)}" if row.next_due_at_ms else ""
+                row.notes.append(f"{row.held} held{nxt}")
         _flag(topology, row)
         rows.append(row)
     rows.sort(key=lambda r: _ORDER.index(r.role))  # stable: tiers keep the topology's order
@@ -254,7 +265,7 @@ def _flag(topology: Topology, row: QueueRow) -> None:
             "`rabbitmqctl list_consumers` and stop it",
         )
     if row.role is QueueRole.HOLDING and held and row.consumers == 0:
-        # On 4.3 a held message counts as ready: this also counts those held on time.
+        # Held messages are not ready: ready ones in a holding queue wait for a holder.
         needs(
             f"no holder: {held} message(s) wait and nothing holds or releases them",
             "run `rabbit-delay hold` (docs/held.md); its messages are late, not lost",
