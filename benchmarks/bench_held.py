@@ -39,6 +39,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pika
 from bench_delays import (
@@ -46,6 +47,7 @@ from bench_delays import (
     QUEUE,
     Backend,
     Consumer,
+    api,
     declare,
     delete_topology,
     pct,
@@ -54,7 +56,7 @@ from bench_delays import (
 
 from rabbit_delay import Topology, topology_from_dict
 from rabbit_delay._envelope import now_ms
-from rabbit_delay._urls import broker_url, redact
+from rabbit_delay._urls import broker_url, management_endpoint, redact
 from rabbit_delay.sync import Publisher
 
 ASKED = "bench-asked-ms"
@@ -71,13 +73,28 @@ class Sizes:
     per_round: int
     burst: int
     due_s: int  # the tier's delay, and the burst's
+    pending: int  # the memory phase: messages held (and parked in a 1 h tier); 0: skipped
 
 
 FULL = Sizes(
-    lateness=1_000, max_delay_s=60, pace_per_s=50, rounds=20, per_round=1_000, burst=20_000, due_s=5
+    lateness=1_000,
+    max_delay_s=60,
+    pace_per_s=50,
+    rounds=20,
+    per_round=1_000,
+    burst=20_000,
+    due_s=5,
+    pending=100_000,
 )
 QUICK = Sizes(
-    lateness=60, max_delay_s=3, pace_per_s=60, rounds=3, per_round=300, burst=600, due_s=2
+    lateness=60,
+    max_delay_s=3,
+    pace_per_s=60,
+    rounds=3,
+    per_round=300,
+    burst=600,
+    due_s=2,
+    pending=0,
 )
 
 
@@ -245,6 +262,44 @@ def burst(url: str, name: str, topology: Topology, count: int, due_s: int) -> di
     }
 
 
+def memory(url: str, topologies: dict[str, Topology], count: int, log: Any) -> dict[str, Any]:
+    """`count` messages held for 1 h+ in the holding queue against `count` parked in the
+    tier's 1 h buffer: each queue process's memory (management API, sampled every 5 s)
+    per message once the holder has held them all."""
+    endpoint = management_endpoint(url)
+    held_q = topologies["held"].names.held_queue()
+    tier_q = topologies["tier"].names.tier_queue("park")
+    out: dict[str, Any] = {"pending": count}
+    for name, queue in (("held", held_q), ("tier", tier_q)):
+        with Publisher(topologies[name], url) as publisher:
+            chunk = 5_000
+            for start in range(0, count, chunk):
+                n = min(chunk, count - start)
+                if name == "tier":
+                    batch = [publisher.prepare(BODY, "park", queue=QUEUE) for _ in range(n)]
+                else:
+                    batch = [publisher.prepare(BODY, queue=QUEUE, delay=3_601) for _ in range(n)]
+                publisher.publish_outgoing(batch)
+        field = "messages_delayed" if name == "held" else "messages"
+        t0 = time.monotonic()
+        row: dict[str, Any] = {}
+        while time.monotonic() - t0 < 600:
+            row = api(endpoint, f"queues/{endpoint.vhost_quoted}/{quote(queue, safe='')}")
+            if int(row.get(field) or 0) >= count:
+                break
+            time.sleep(2)
+        time.sleep(6)  # one more sample of the queue's memory
+        row = api(endpoint, f"queues/{endpoint.vhost_quoted}/{quote(queue, safe='')}")
+        out[name] = {
+            "counted": int(row.get(field) or 0),
+            "queue_memory_B": int(row.get("memory") or 0),
+            "B_per_msg": round(int(row.get("memory") or 0) / count, 1),
+            "seconds_to_count": round(time.monotonic() - t0, 1),
+        }
+        log(f"memory {name}: {out[name]}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small counts (smoke, < 60 s)")
@@ -313,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
             log(f"burst {name}: {sizes.burst} messages, {sizes.due_s} s")
             result["burst"][name] = burst(url, name, topologies[name], sizes.burst, sizes.due_s)
             log(f"burst {name}: {json.dumps(result['burst'][name])}")
+        if sizes.pending:
+            log(f"memory: {sizes.pending:,} held against {sizes.pending:,} in a 1 h tier")
+            result["memory"] = memory(url, topologies, sizes.pending, log)
         tier_burst = result["burst"]["tier"]["arrivals_msg_s"]
         held_burst = result["burst"]["held"]["arrivals_msg_s"]
         result["burst"]["held_vs_tier"] = (

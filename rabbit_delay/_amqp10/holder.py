@@ -28,7 +28,7 @@ from proton.reactor import Container
 from rabbit_delay._amqp10.errors import condition_error, fatal, mapped
 from rabbit_delay._broker import BrokerInfo
 from rabbit_delay._connection import ReconnectBackoff, failover_order
-from rabbit_delay._errors import IncompatibleBroker, RabbitDelayError
+from rabbit_delay._errors import ConfigError, IncompatibleBroker, RabbitDelayError
 from rabbit_delay._held.rules import (
     DEFAULT_CREDIT,
     DELIVERY_TIME,
@@ -65,7 +65,10 @@ _KEEP_LATE = 10_000
 
 
 class Holder:
-    """Holds every message of `topology`'s holding queue until its `rd-due-at`."""
+    """Holds every message of `topology`'s holding queue until its `rd-due-at`.
+
+    Raises ConfigError for a topology without a [held] table, no URL, or a URL that is
+    not amqp:// or amqps://."""
 
     def __init__(
         self,
@@ -79,11 +82,11 @@ class Holder:
         name: str = "rabbit-delay holder",
     ) -> None:
         if topology.held is None:
-            raise IncompatibleBroker(
+            raise ConfigError(
                 f"topology {topology.names.prefix!r} has no [held] table: nothing to hold"
             )
         if not urls:
-            raise ValueError("a holder needs at least one broker URL")
+            raise ConfigError("a holder needs at least one broker URL")
         self.topology = topology
         self.urls = tuple(urls)
         # Each URL's TLS query keys (cafile, certfile...) win over `tls` (rabbit_delay._tls).
@@ -132,6 +135,10 @@ class Holder:
     def error(self) -> RabbitDelayError | None:
         return self._error
 
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
     def stop(self, wait_s: float = 10.0) -> None:
         """Close the connection (unsettled deliveries go back to the queue) and end."""
         self._stop.set()
@@ -162,7 +169,7 @@ class _Handler(MessagingHandler):
         event.container.schedule(_STOP_POLL_S, self)
 
     def on_timer_task(self, event) -> None:  # type: ignore[no-untyped-def]
-        if self.holder._stop.is_set():
+        if self.holder.stopping:
             if self.connection is not None:
                 self.connection.close()
             event.container.stop()
@@ -274,7 +281,7 @@ class _Handler(MessagingHandler):
         # Whatever closed it (the broker's close with an error, a lost socket, a failed
         # connect): proton's own `on_disconnected` skips a connection closed locally.
         self.holder.ready.clear()
-        if self.holder._stop.is_set():
+        if self.holder.stopping:
             return
         nxt = failover_order(self.holder.urls, self.url)[0]
         wait = next(self.delays)
@@ -295,5 +302,5 @@ class _Reconnect:
         self.url = url
 
     def on_timer_task(self, event) -> None:  # type: ignore[no-untyped-def]
-        if not self.handler.holder._stop.is_set():
+        if not self.handler.holder.stopping:
             self.handler._connect(self.url)

@@ -19,6 +19,7 @@ from typing import Any
 
 import pika
 import pytest
+from conftest import wait_for
 
 from rabbit_delay import IncompatibleBroker, Topology, topology_from_dict
 from rabbit_delay import _headers as h
@@ -33,8 +34,9 @@ from ._scratch_node import Collector, ScratchNode, scratch_kind, started_node
 pytestmark = pytest.mark.integration
 
 # A holder releases by its own clock (the test's): a release is never early. Late by the
-# broker's timer (~2 ms), the dead-letter hop and two busy shared cores.
-LATE_BOUND_MS = 1_000
+# broker's timer (~2 ms), the dead-letter hop and two busy shared cores (benchmarks on a
+# machine at load 8-13: max 182-492 ms; bench_held.py measures, this only bounds).
+LATE_BOUND_MS = 2_000
 
 
 def needs_held(info: BrokerInfo) -> None:
@@ -151,6 +153,22 @@ def test_a_message_without_a_due_time_is_released_at_once(broker_url: str, held:
     assert holder.stats.released_without_due_time == 1
 
 
+def holder_attached(url: str, topology: Topology, process: subprocess.Popen[str]) -> None:
+    """Wait until a holder consumes the holding queue (a process starts slowly on a busy
+    machine: a message due before it attaches is released without a hold)."""
+
+    def consumers() -> int:
+        assert process.poll() is None, process.communicate()[1]
+        conn = pika.BlockingConnection(pika.URLParameters(url))
+        try:
+            declared = conn.channel().queue_declare(topology.names.held_queue(), passive=True)
+            return int(declared.method.consumer_count)
+        finally:
+            conn.close()
+
+    wait_for(consumers, timeout=60, what="a holder on the holding queue", interval=0.2)
+
+
 def test_the_hold_command_holds_until_stopped(
     broker_url: str, held: Topology, tmp_path: Path
 ) -> None:
@@ -165,6 +183,7 @@ def test_the_hold_command_holds_until_stopped(
         [*command, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
+        holder_attached(broker_url, held, process)
         with (
             Collector(broker_url, n.business_queue("push")) as push,
             Publisher(held, broker_url) as publisher,
@@ -214,6 +233,7 @@ def test_a_worker_with_hold_holds_and_handles(
         text=True,
     )
     try:
+        holder_attached(broker_url, held, process)
         with Publisher(held, broker_url) as publisher:
             sent = publisher.publish_delayed({}, queue="push", delay=3)
         deadline = time.monotonic() + 20
