@@ -100,3 +100,17 @@ _.handed_back
 _.store_failures
 _.superseded  # WorkerStats (outcome superseded)
 _.superseded_dropped  # GuardStats
+
+# -- python-qpid-proton calls them by name (rabbit_delay/_amqp10/holder.py) ----------------
+
+_.on_connection_error  # proton MessagingHandler event
+_.on_session_error  # proton MessagingHandler event
+_.on_link_error  # proton MessagingHandler event
+_.on_transport_error  # proton MessagingHandler event
+_.on_transport_closed  # proton handler event
+_.on_timer_task  # proton Container.schedule callback
+_.annotations  # proton Disposition: sent with the `modified` settle
+_.undeliverable  # proton Disposition: sent with the `modified` settle
+_.on_start  # proton MessagingHandler event
+_.on_connection_opened  # proton MessagingHandler event
+_.on_link_opened  # proton MessagingHandler event

@@ -16,6 +16,8 @@ Facts (checked on 3.10.8, 4.0.5 and 4.3.6; see shared/RABBITMQ_NOTES.md):
       classic queue declared without it
     delayed-message plugin can run              yes    yes       no (Mnesia removed)
     quorum delayed retry (x-delayed-retry-*)    no     no        yes
+    AMQP 1.0 `modified` + x-opt-delivery-time   no     no        yes
+      holds a quorum message until then
     unknown exchange type closes the            conn.  channel   channel
     quorum consumer over consumer_timeout       channel closed   basic.cancel (4.3)
     peeking a quorum tier buffer's head         late   early     free
@@ -145,6 +147,12 @@ class BrokerInfo:
         return self.at_least(4, 3)
 
     @property
+    def supports_held(self) -> bool:
+        """Does a quorum queue hold a message until the `x-opt-delivery-time` of an AMQP
+        1.0 `modified` settle (the [held] backend)? Measured on 4.3.6; not before 4.3."""
+        return self.at_least(4, 3)
+
+    @property
     def cancels_timed_out_quorum_consumers(self) -> bool:
         """4.3 cancels (basic.cancel) a quorum consumer over consumer_timeout instead of
         closing its channel; both must be handled, this says which to expect."""
@@ -185,7 +193,9 @@ class QueueCounts:
     not confirmed yet, in neither ready nor unacked; and `head_timestamp`, the AMQP
     `timestamp` (seconds) of the message at the head, which a classic queue reports
     (`head_message_timestamp`) when that message has one (quorum queues do not, 3.10 to
-    4.3).
+    4.3); for a 4.3+ quorum queue, `delayed`, its messages held until a given time (the
+    [held] backend's holds; not in `ready`, nor in a passive declare's count), and
+    `next_delayed_at`, the earliest of those times.
     """
 
     ready: int | None
@@ -196,6 +206,10 @@ class QueueCounts:
     online: tuple[str, ...] | None = None
     dead_lettering: int | None = None
     head_timestamp: int | None = None
+    # A 4.3+ quorum queue's messages held until a given time (the [held] backend, or
+    # delayed retry) and the earliest of those times (UTC ms): API only.
+    delayed: int | None = None
+    next_delayed_at: int | None = None
 
     @property
     def held(self) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 TIER_KIND = "delay"
 CASCADE_KIND = "cascade"
+HELD_KIND = "held"
 # A tier may spread over several buffers (`[scaling]`): shard 0 keeps the tier's own
 # name, so a topology that adds shards keeps its existing buffer; shard i > 0 is
 # `{tier}.{i}`. Tier names have no dot, so the two never collide.
@@ -92,6 +93,14 @@ class Names:
     def plugin_exchange(self) -> str:
         return f"{self.prefix}.delayed"
 
+    # The [held] backend: a fanout exchange (what publishers use) into the quorum holding
+    # queue of the same name, which the holders consume over AMQP 1.0.
+    def held_exchange(self) -> str:
+        return f"{self.prefix}.{HELD_KIND}"
+
+    def held_queue(self) -> str:
+        return f"{self.prefix}.{HELD_KIND}"
+
     def parse_tier(self, name: str) -> tuple[str, int]:
         """`(tier, shard)` of a tier buffer or tier exchange name (shard 0 for a tier's
         own name). Raises ValueError for any other name."""
@@ -104,7 +113,7 @@ class Names:
     def parse(self, name: str) -> tuple[str, str]:
         """Inverse of the builders: `(kind, detail)` for a name of this scheme.
 
-        kind is one of delay, due, unroutable, q, parking, cascade, delayed. A tier
+        kind is one of delay, due, unroutable, q, parking, cascade, delayed, held. A tier
         shard's detail is `{tier}.{shard}` (see `parse_tier`).
         Raises ValueError for a name this scheme did not produce.
         """
@@ -113,7 +122,7 @@ class Names:
             raise ValueError(f"{name!r} is not in namespace {self.prefix!r}")
         rest = name[len(head) :]
         kind, _, detail = rest.partition(".")
-        if kind in ("due", "unroutable", "delayed") and not detail:
+        if kind in ("due", "unroutable", "delayed", HELD_KIND) and not detail:
             return kind, ""
         if kind in (TIER_KIND, "q", "parking", CASCADE_KIND) and detail:
             return kind, detail

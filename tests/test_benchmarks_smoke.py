@@ -1,4 +1,4 @@
-"""benchmarks/bench_{publish,retry,outbox}.py --quick --json run and report every figure.
+"""benchmarks/bench_{publish,retry,outbox,held}.py --quick --json run and report every figure.
 
 Only the structure is checked: ratios on a shared 2-core machine are the benchmark's
 business, never a test's (STYLE: no tight timing in tests).
@@ -123,4 +123,23 @@ def test_bench_outbox_quick_json(broker_url: str) -> None:
     for lag in result["lag"].values():
         assert lag["relayed"] == lag["rows"] > 0
         assert 0 <= lag["p50_ms"] <= lag["p99_ms"] <= lag["max_ms"]
+    assert "guest:guest@" not in proc.stdout + proc.stderr, "the broker password must be redacted"
+
+
+HELD_BENCH = ROOT / "benchmarks" / "bench_held.py"
+
+
+@pytest.mark.timeout(150)
+def test_bench_held_quick_json(broker_url: str, broker_info: BrokerInfo) -> None:
+    if not broker_info.supports_held:
+        pytest.skip(f"the [held] backend needs RabbitMQ 4.3+, not {broker_info.describe()}")
+    proc, result = run_quick(HELD_BENCH, broker_url)
+    for name in ("held", "cascade", "tier"):
+        row = result["lateness"][name]
+        assert (row["received"], row["early"]) == (row["sent"], 0)
+        assert result["publish"][name]["msg_s"] > 0
+    for name in ("held", "tier"):
+        assert result["burst"][name]["received"] == result["burst"][name]["sent"]
+    assert result["holder"]["released"] >= result["lateness"]["held"]["sent"]
+    assert set(result["targets"]) == {"held_p99_ms", "burst_ratio"}
     assert "guest:guest@" not in proc.stdout + proc.stderr, "the broker password must be redacted"

@@ -18,6 +18,7 @@ from rabbit_delay._cli.asyncapi import asyncapi_command
 from rabbit_delay._cli.dashboard import dashboard
 from rabbit_delay._cli.declare import declare, plan
 from rabbit_delay._cli.delete import delete
+from rabbit_delay._cli.hold import hold
 from rabbit_delay._cli.options import EXIT_OK, CommandGroup, out
 from rabbit_delay._cli.parked import parked_app
 from rabbit_delay._cli.permissions import permissions_command
@@ -82,6 +83,7 @@ app.command("permissions")(permissions_command)
 app.command("asyncapi")(asyncapi_command)
 app.command()(worker)
 app.command()(dashboard)
+app.command()(hold)
 app.command()(delete)
 app.command()(status)
 app.command()(replay)

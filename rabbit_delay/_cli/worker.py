@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 import rabbit_delay._cli.options as opt
+from rabbit_delay._cli.hold import holder_for
 from rabbit_delay._connection import DEFAULT_RECONNECT_MAX_S
 from rabbit_delay._consumer.app import App, Transport
 from rabbit_delay._consumer.settings import DEFAULT_SHUTDOWN_TIMEOUT_S, WorkerOptions
@@ -79,6 +80,14 @@ HealthPortOpt = Annotated[
         show_default=False,
     ),
 ]
+HoldOpt = Annotated[
+    bool,
+    typer.Option(
+        "--hold",
+        help="Also run a holder of the topology's holding queue (a held table, RabbitMQ "
+        "4.3+, the held extra) in this process; see `rabbit-delay hold`.",
+    ),
+]
 LogFormatOpt = Annotated[
     opt.LogFormat,
     typer.Option(
@@ -104,6 +113,7 @@ def worker(
     metrics_port: opt.MetricsPortOpt = None,
     health_port: HealthPortOpt = None,
     url: opt.UrlOpt = None,
+    hold: HoldOpt = False,
 ) -> None:
     """Run the consumers of MODULE:APP until SIGINT/SIGTERM.
 
@@ -151,6 +161,9 @@ def worker(
             "reconnect_max_s": durations["--reconnect-max"],
             "metrics": metrics,
         }
+        holder = holder_for(the_app.topology, broker) if hold else None
+        if holder is not None:
+            holder.start()  # a thread of its own; stopped with the worker
         try:
             if chosen is Transport.SYNC:
                 from rabbit_delay._sync.worker import Worker
@@ -165,6 +178,8 @@ def worker(
                 _serve(async_worker, metrics_port, health_port)
                 asyncio.run(_run_async(the_app, async_worker))
         finally:
+            if holder is not None:
+                holder.stop()
             if chosen is Transport.SYNC:
                 the_app.close()
 

@@ -257,7 +257,7 @@ class QueuePolicy:
             self.defer_route = self.router.resolve(self.key, tier=shortest)
             # Deferral backoff: exact delays where the topology has them, else the
             # longest accepted tier not above the wanted delay.
-            self.exact_delays = topology.cascade is not None or topology.plugin is not None
+            self.exact_delays = topology.exact_delays
             self.defer_tiers = tuple(
                 sorted(
                     (topology.tiers[t], self.router.resolve(self.key, tier=t))

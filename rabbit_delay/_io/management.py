@@ -302,6 +302,8 @@ def counts_from_api(row: dict[str, Any]) -> QueueCounts:
         _nodes(row.get("online")) if quorum else None,
         _count(row.get("messages_dlx")) if quorum else None,
         _count(row.get("head_message_timestamp")),
+        _count(row.get("messages_delayed")) if quorum else None,
+        _count(row.get("next_delayed_at")) if quorum else None,
     )
 
 
@@ -313,7 +315,7 @@ def read_queue_counts(endpoint: ManagementEndpoint, prefix: str) -> dict[str, Qu
     """
     columns = (
         "name,type,messages_ready,messages_unacknowledged,consumers,leader,members,online,"
-        "messages_dlx,head_message_timestamp"
+        "messages_dlx,head_message_timestamp,messages_delayed,next_delayed_at"
     )
     queues = get_json(endpoint, f"queues/{endpoint.vhost_quoted}?columns={columns}")
     if not isinstance(queues, list):

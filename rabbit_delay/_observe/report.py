@@ -32,7 +32,7 @@ from rabbit_delay._headers import H_ASKED_DUE_AT, H_DELAY_MS, H_DUE_AT, H_TIER
 from rabbit_delay._observe import tracing
 from rabbit_delay._observe.logs import delivery_fields
 from rabbit_delay._observe.metrics import Metrics, deviation_s, late_s, tier_label
-from rabbit_delay._topology.delays import CASCADE, IMMEDIATE, PLUGIN
+from rabbit_delay._topology.delays import CASCADE, HELD, IMMEDIATE, PLUGIN
 from rabbit_delay._urls import redact
 
 log = logging.getLogger("rabbit_delay.worker")
@@ -84,7 +84,7 @@ class WorkerMetrics:
         self._handler: dict[str, Any] = {}
         # (queue, tier label) -> (lateness child, deviation child), made on first use
         self._timing: dict[tuple[str, object], tuple[Any, Any]] = {}
-        self._tiers = frozenset((*tiers, CASCADE, PLUGIN, IMMEDIATE))
+        self._tiers = frozenset((*tiers, CASCADE, PLUGIN, HELD, IMMEDIATE))
         for queue in queues:
             for outcome in OUTCOMES:
                 child = metrics.handled_total.labels(queue=queue, outcome=outcome.value)

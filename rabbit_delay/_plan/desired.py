@@ -77,6 +77,8 @@ class Desired:
     # the buffers of shards past the count (left by a lowered count) as extra.
     tier_shards: Mapping[str, int] = field(default_factory=dict)
     names: Names | None = None
+    # The [held] backend's holding queue, if any (RabbitMQ 4.3+ only: `refusals`).
+    held_queue: str | None = None
 
     @property
     def objects(self) -> tuple[ObjectSpec, ...]:
@@ -199,8 +201,42 @@ def desired(topology: Topology) -> Desired:
         _add_cascade(topology, exchanges, queues, bindings)
     if topology.plugin is not None:
         _add_plugin(topology, exchanges, bindings)
+    held = _add_held(topology, exchanges, queues, bindings) if topology.held is not None else None
     shards = {tier: topology.shards(tier) for tier in topology.tiers}
-    return Desired(tuple(exchanges), tuple(queues), tuple(bindings), shards, n)
+    return Desired(tuple(exchanges), tuple(queues), tuple(bindings), shards, n, held)
+
+
+# The holding queue's x-delivery-limit: none. Measured on 4.3.6: a hold (`modified`,
+# delivery_failed false) does not count towards the limit (only x-acquired-count grows),
+# but a holder's lost connection does, and a message past the limit would be
+# dead-lettered to the due exchange: delivered EARLY. -1 disables the limit (4.0+).
+HELD_DELIVERY_LIMIT = -1
+# How long the holding queue keeps the deliveries of a holder whose node went away
+# before handing them to another holder (`x-consumer-disconnected-timeout`, ms; 60 s by
+# default on 4.3). Measured: killing the node that led the holding queue, to which the
+# holder was connected, made the messages that holder had in hand 60 s late. A short
+# timeout costs nothing here: a delivery handed to another holder is only held again.
+HELD_CONSUMER_DISCONNECTED_TIMEOUT_MS = 5_000
+
+
+def _add_held(
+    topology: Topology,
+    exchanges: list[ExchangeSpec],
+    queues: list[QueueSpec],
+    bindings: list[BindingSpec],
+) -> str:
+    """The holding queue (quorum, at-least-once dead-lettering into the due exchange with
+    the message's own routing key: its business queue) and the fanout exchange publishers
+    use. The holders keep every message in it until its `rd-due-at`, then reject it."""
+    n = topology.names
+    name = n.held_queue()
+    args = _dead_letter_args(topology, n.due_exchange())
+    args["x-delivery-limit"] = HELD_DELIVERY_LIMIT
+    args["x-consumer-disconnected-timeout"] = HELD_CONSUMER_DISCONNECTED_TIMEOUT_MS
+    exchanges.append(ExchangeSpec(n.held_exchange(), "fanout"))
+    queues.append(QueueSpec(name, args))
+    bindings.append(BindingSpec(n.held_exchange(), name, ""))
+    return name
 
 
 def _add_cascade(

@@ -119,7 +119,7 @@ def _quote(regex: str) -> str:
 def publish_targets(topology: Topology) -> frozenset[str]:
     """Every exchange a publisher may publish to (delays.Router): the tier exchanges (of
     every shard), the cascade's entry exchanges and its delivery exchange (a delay of 0),
-    the plugin's."""
+    the plugin's, the holding queue's."""
     n = topology.names
     targets = {x for t in topology.tiers for x in topology.tier_exchanges(t)}
     if topology.cascade is not None:
@@ -127,6 +127,8 @@ def publish_targets(topology: Topology) -> frozenset[str]:
         targets.add(n.cascade_deliver_exchange())
     if topology.plugin is not None:
         targets.add(n.plugin_exchange())
+    if topology.held is not None:
+        targets.add(n.held_exchange())
     return frozenset(targets)
 
 

@@ -42,6 +42,13 @@ def broker_requirements(want: Desired, broker: BrokerInfo) -> list[str]:
             'not have it. Retry through the tiers (backend = "tiers", the default) on this '
             "broker, or upgrade it to 4.3+"
         )
+    if want.held_queue is not None and not broker.supports_held:
+        reasons.append(
+            f"the [held] backend (queue {want.held_queue}) needs a quorum queue that holds a "
+            "message until the time an AMQP 1.0 consumer gives it (`modified` with "
+            f"x-opt-delivery-time), which RabbitMQ added in 4.3; {broker.describe()} does not "
+            "have it. Use [cascade] on this broker, or upgrade it to 4.3+"
+        )
     return reasons
 
 

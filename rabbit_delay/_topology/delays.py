@@ -11,6 +11,9 @@ Three backends sit behind the one `publish_delayed` call:
   Levels are not sharded: a level passes messages on by routing key (topic exchanges),
   and spreading them would need a hash exchange (a plugin before RabbitMQ 4.3).
 - plugin: the x-delayed-message exchange; the delay travels in the `x-delay` header.
+- held (RabbitMQ 4.3+): the holding queue, through its fanout exchange, with the
+  message's own routing key; the holders keep it there until its `rd-due-at` (exact to
+  the millisecond), then the queue dead-letters it, key kept, to the due exchange.
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ from dataclasses import dataclass, field
 from rabbit_delay._durations import MAX_TTL_MS, format_ms, negative
 from rabbit_delay._errors import DelayError, UnknownTargetError
 from rabbit_delay._headers import H_PLUGIN_DELAY
-from rabbit_delay._names import CASCADE_KIND
+from rabbit_delay._names import CASCADE_KIND, HELD_KIND
 from rabbit_delay._topology.model import Topology
 
 # AMQP 0-9-1 short strings: routing keys are limited to 255 bytes.
 MAX_ROUTING_KEY_BYTES = 255
 CASCADE = CASCADE_KIND
 PLUGIN = "plugin"
+HELD = HELD_KIND
 # `rd-tier` of a message sent straight to the due exchange (already due: a replay, or a
 # pending message moved after its due time).
 IMMEDIATE = "now"
@@ -42,7 +46,7 @@ class Route:
 
     exchange: str
     routing_key: str
-    tier: str  # the tier name, or "cascade" / "plugin"
+    tier: str  # the tier name, or "cascade" / "plugin" / "held"
     delay_ms: int  # the delay that will actually apply (rounded up to the resolution)
     target: str  # the business routing key the message is for
     headers: Mapping[str, object] = field(default_factory=dict)
@@ -151,6 +155,8 @@ class Router:
             return self._cascade_route(key, delay_ms)
         if self.topology.plugin is not None:
             return self._plugin_route(key, delay_ms)
+        if self.topology.held is not None:
+            return self._held_route(key, delay_ms)
         if exact is not None:
             return self._tier_route(key, exact)  # raises: the target does not accept that tier
         tiers = ", ".join(f"{t}={format_ms(ms)}" for t, ms in self._tier_ms.items())
@@ -169,8 +175,8 @@ class Router:
         row relayed late). Never early, as little late as the topology allows:
 
         - due already (<= 0): the due exchange, now;
-        - with a cascade or the plugin: the exact remaining delay (cascade: rounded up
-          to its resolution);
+        - with a cascade, the plugin or [held]: the exact remaining delay (cascade:
+          rounded up to its resolution);
         - else the shortest tier the target accepts that is not shorter than what
           remains; `route.delay_ms - remaining_ms` is how late that makes it.
 
@@ -179,7 +185,7 @@ class Router:
         """
         if remaining_ms <= 0:
             return self.immediate(key)
-        if self.topology.cascade is not None or self.topology.plugin is not None:
+        if self.topology.exact_delays:
             try:
                 return self.resolve(key, delay_ms=remaining_ms)
             except UnknownTargetError:
@@ -277,6 +283,20 @@ class Router:
             headers={H_PLUGIN_DELAY: delay_ms},
             mandatory=False,
         )
+
+    # -- held -------------------------------------------------------------------------
+
+    def _held_route(self, key: str, delay_ms: int) -> Route:
+        # Any key the due exchange routes (a queue's own or a binding key): the holding
+        # queue dead-letters the message with the key it was published with.
+        cfg = self.topology.held
+        assert cfg is not None
+        if delay_ms > cfg.max_delay:
+            raise DelayError(
+                f"delay {format_ms(delay_ms)} exceeds the [held] maximum "
+                f"{format_ms(cfg.max_delay)}; raise `held.max_delay`"
+            )
+        return Route(self._names.held_exchange(), key, HELD, delay_ms, key)
 
 
 def cascade_routing_key(units: int, levels: int, destination: str) -> str:

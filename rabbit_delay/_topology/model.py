@@ -228,6 +228,22 @@ class PluginConfig(_Model):
     an empty table: the plugin exchange only delays; the due exchange routes)."""
 
 
+# The [held] backend has no broker limit (x-opt-delivery-time is an absolute time); the
+# longest delay it accepts is still bounded, because the idempotency retention must
+# cover it (`longest_delay_ms`): the cascade's default reach, raised in the table.
+DEFAULT_HELD_MAX_DELAY_MS = 49 * 86_400_000
+
+
+class HeldConfig(_Model):
+    """Exact delays on RabbitMQ 4.3+ (`[held]`): publishers send to one quorum holding
+    queue, and holders (`rabbit-delay hold`, AMQP 1.0) have the queue hold each message
+    until its due time, then dead-letter it to the due exchange (docs/held.md)."""
+
+    max_delay: Duration = Field(default=DEFAULT_HELD_MAX_DELAY_MS, gt=0)
+    """The longest delay a publish may ask (default 49d); longer ones are refused. The
+    idempotency retention is kept at least this long."""
+
+
 # One buffer is one quorum queue: one Raft leader, and one dead-letter worker taking 32
 # messages at a time. Measured (docs/scaling.md): 8 shards already bring p99 lateness of
 # a 26k msg/s burst under 1 s on one node; past 32, each shard costs a Raft group and
@@ -407,6 +423,8 @@ class Topology(_Model):
     plugin: PluginConfig | None = None
     """Arbitrary delays through `x-delayed-message` (docs/arbitrary-delays.md); not on
     RabbitMQ 4.3+."""
+    held: HeldConfig | None = None
+    """Exact delays held by the quorum queue itself, RabbitMQ 4.3+ (docs/held.md)."""
     scaling: ScalingConfig = ScalingConfig()
     """Buffers per tier and where quorum queues are placed (docs/scaling.md)."""
     idempotency: IdempotencyConfig = Field(default_factory=IdempotencyConfig)
@@ -427,8 +445,18 @@ class Topology(_Model):
 
     @model_validator(mode="after")
     def _consistent(self) -> Topology:
-        if self.cascade is not None and self.plugin is not None:
-            raise ValueError("choose one arbitrary-delay backend: `cascade` or `plugin`, not both")
+        chosen = [b for b in ("cascade", "plugin", "held") if getattr(self, b) is not None]
+        if len(chosen) > 1:
+            raise ValueError(
+                "choose one arbitrary-delay backend: "
+                + " or ".join(f"`{b}`" for b in chosen)
+                + (", not both" if len(chosen) == 2 else ", not all three")
+            )
+        if self.held is not None and self.queue_type is not QueueType.QUORUM:
+            raise ValueError(
+                "[held] needs quorum queues: only a quorum queue holds a message until a "
+                'given time (queue_type = "quorum")'
+            )
         durations: dict[int, str] = {}
         for tier, ms in self.tiers.items():
             if ms in durations:
@@ -458,10 +486,10 @@ class Topology(_Model):
                     f'queues.{queue}.retry.backend = "broker" needs quorum queues: only they delay '
                     'a requeued message (queue_type = "quorum", or backend = "tiers")'
                 )
-            if cfg.retry.backoff is not None and self.cascade is None and self.plugin is None:
+            if cfg.retry.backoff is not None and not self.exact_delays:
                 raise ValueError(
                     f"queues.{queue}.retry.backoff needs exact delays: add a [cascade] "
-                    "(or [plugin]) table, or retry through `tiers`"
+                    "(or [held], [plugin]) table, or retry through `tiers`"
                 )
             for key in cfg.bindings:
                 if key in own_keys:
@@ -477,6 +505,11 @@ class Topology(_Model):
     @cached_property
     def names(self) -> Names:
         return Names(self.namespace, self.version)
+
+    @property
+    def exact_delays(self) -> bool:
+        """Whether the topology has an arbitrary-delay backend (cascade, plugin, held)."""
+        return self.cascade is not None or self.plugin is not None or self.held is not None
 
     def shards(self, tier: str) -> int:
         """How many buffers `tier` has: `scaling.tier_shards`, else `scaling.shards`."""
@@ -534,8 +567,10 @@ class Topology(_Model):
 
     def longest_delay_ms(self) -> int:
         """The longest delay a publish can ask of this topology: the longest tier, or the
-        cascade's or the plugin's maximum."""
+        cascade's, the plugin's or the held backend's maximum."""
         longest = max(self.tiers.values())
+        if self.held is not None:
+            longest = max(longest, self.held.max_delay)
         if self.cascade is not None:
             longest = max(longest, self.cascade.max_delay_ms)
         if self.plugin is not None:

@@ -19,6 +19,10 @@ through `BrokerInfo` as everywhere else):
   (20 by default from 4.0), what counts (a reject and a lost channel always, a
   nack-requeue before 4.3 only), `x-acquired-count` from 4.3, and 4.3's delayed retry
   (`x-delayed-retry-type = failed`);
+* the [held] backend (4.3+): its holding queue behaves as if a holder were always
+  attached: each message is held (aside, counted in `depth`) until the time
+  `rabbit_delay._held.rules.decide` gives it, then dead-lettered, key kept, like the
+  real holder's undeliverable-here settle;
 * publishing: confirms (always positive), `mandatory` returns, 404 for a missing
   exchange; consuming: per-consumer prefetch, acks, nacks, rejects, channels whose loss
   returns their unacked deliveries.
@@ -49,6 +53,7 @@ from rabbit_delay._durations import DurationLike, format_ms, parse_ms
 from rabbit_delay._envelope import Outgoing
 from rabbit_delay._envelope import now_ms as wall_clock_ms
 from rabbit_delay._errors import ConfigError, MissingPluginError, RabbitDelayError, broker_refusal
+from rabbit_delay._held.rules import Hold, decide
 from rabbit_delay._plan.desired import (
     DELAYED_RETRY_TYPE,
     PLUGIN_EXCHANGE_TYPE,
@@ -192,6 +197,7 @@ class _Queue:
         self.next_consumer = 0
         self.expiry: asyncio.TimerHandle | None = None
         self.expiry_at = 0
+        self.holding = False  # the [held] backend's holding queue: a holder is attached
 
     def retry_delay_ms(self, delivery_count: int) -> int:
         assert self.retry_min is not None
@@ -615,7 +621,10 @@ class MemoryBroker:
         Raises IncompatibleBroker (the version cannot hold it), DeclarationConflict (an
         object exists with other arguments: nothing changed), MissingPluginError.
         """
-        return self.run_program(declare_program(desired(topology), None, self.info))
+        report = self.run_program(declare_program(desired(topology), None, self.info))
+        if topology.held is not None:
+            self._queues[topology.names.held_queue()].holding = True
+        return report
 
     def plan(self, topology: Topology) -> Plan:
         """What `declare` would do, changing nothing (the real plan program, probing with
@@ -873,12 +882,30 @@ class MemoryBroker:
     # -- queues: TTL, dead-letters, returns ---------------------------------------------------
 
     def _enqueue(self, queue: _Queue, message: Message) -> None:
+        if queue.holding:
+            self._hold(queue, _Entry(message, None))
+            return
         expires = self.now_ms() + queue.ttl if queue.ttl is not None else None
         queue.ready.append(_Entry(message, expires))
         if queue.ttl is not None:
             self._schedule_expiry(queue)
         if queue.consumers:
             self._dispatch(queue)
+
+    def _hold(self, queue: _Queue, entry: _Entry) -> None:
+        """What a holder does with a delivery of the holding queue (the real decision):
+        held aside until its due time, then decided again; released: dead-lettered."""
+        decision = decide(entry.message.headers, self.now_ms())
+        if isinstance(decision, Hold):
+            queue.waiting += 1
+            self._call_at(decision.until_ms, self._held_due, queue, entry)
+            return
+        self._dead_letter_or_drop(queue, entry, "rejected")
+
+    def _held_due(self, queue: _Queue, entry: _Entry) -> None:
+        queue.waiting -= 1
+        if self._queues.get(queue.name) is queue:  # not deleted meanwhile
+            self._hold(queue, entry)
 
     def _schedule_expiry(self, queue: _Queue) -> None:
         if queue.ttl is None:

@@ -97,10 +97,16 @@ def _port_free(port: int) -> bool:
     return True
 
 
+# Where scratch nodes take their AMQP ports: 6000-9999, or a range of one's own
+# ("5970-5999") when several people share the machine.
+SCRATCH_PORTS_ENV = "RABBIT_DELAY_SCRATCH_PORTS"
+
+
 def _free_base_port(members: int = 1) -> int:
     """A port P with every derived port free for `members` nodes at P, P+10, P+20..."""
+    low, _, high = os.environ.get(SCRATCH_PORTS_ENV, "6000-9999").partition("-")
     while True:
-        port = random.randint(6000, 9999)
+        port = random.randint(int(low), int(high) - 10 * (members - 1))
         if all(_port_free(port + 10 * i + d) for i in range(members) for d in _DERIVED):
             return port
 

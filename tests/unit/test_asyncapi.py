@@ -340,3 +340,13 @@ def test_an_unwritable_output_is_an_error(shop_file: Path, tmp_path: Path) -> No
     result = CliRunner().invoke(app, ["asyncapi", str(shop_file), "-o", str(tmp_path / "no" / "x")])
     assert result.exit_code == 1
     assert result.stderr.startswith("error: cannot write")
+
+
+def test_a_held_topology_documents_its_holding_exchange() -> None:
+    topology = topology_from_dict({**TIERS_AND_CASCADE, "cascade": None, "held": {}})
+    doc = document(topology)
+    assert_valid(doc)
+    held = topology.names.held_exchange()
+    assert any(held in json.dumps(channel) for channel in doc["channels"].values())
+    for ref in refs(doc):
+        assert resolve(doc, ref) is not None

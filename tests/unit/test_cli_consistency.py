@@ -41,6 +41,7 @@ COMMANDS = {
     "publish": ["publish", "{}", "-q", "push", "-t", "1s"],
     "permissions": ["permissions", "worker"],
     "dashboard": ["dashboard"],
+    "hold": ["hold"],
     "asyncapi": ["asyncapi"],
     "scheduled reschedule": ["scheduled", "reschedule", "order-42", "--in", "5m"],
     "scheduled sweep": ["scheduled", "sweep"],
@@ -55,7 +56,7 @@ TOPOLOGY_COMMANDS = COMMANDS | STORE_COMMANDS
 # Command groups: their commands are two words (`scheduled list`).
 GROUPS = ("scheduled",)
 # The commands that also take the file as their FILE argument (as they always did).
-POSITIONAL = ("plan", "declare", "status", "replay", "dashboard", "asyncapi")
+POSITIONAL = ("plan", "declare", "status", "replay", "dashboard", "asyncapi", "hold")
 GOOD_TOML = 'namespace = "shop"\n[tiers]\n1s = "1s"\n[queues.push]\n'
 
 

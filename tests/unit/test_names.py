@@ -33,6 +33,8 @@ CASES: list[tuple[Callable[..., str], object, str, tuple[str, str]]] = [
     (N.cascade_entry_exchange, 5, "shop.v1.cascade.05.in", ("cascade", "05.in")),
     (N.cascade_deliver_exchange, None, "shop.v1.cascade.deliver", ("cascade", "deliver")),
     (N.plugin_exchange, None, "shop.v1.delayed", ("delayed", "")),
+    (N.held_exchange, None, "shop.v1.held", ("held", "")),
+    (N.held_queue, None, "shop.v1.held", ("held", "")),
     # Sharded tiers: shard 0 is the tier's own name, shard i > 0 `{tier}.{i}`.
     (N.tier_queue, ("3s", 0), "shop.v1.delay.3s", ("delay", "3s")),
     (N.tier_queue, ("3s", 1), "shop.v1.delay.3s.1", ("delay", "3s.1")),

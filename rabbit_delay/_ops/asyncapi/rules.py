@@ -38,7 +38,14 @@ from rabbit_delay._plan.desired import (
     QueueSpec,
     desired,
 )
-from rabbit_delay._topology.delays import CASCADE, IMMEDIATE, PLUGIN, Router, cascade_routing_key
+from rabbit_delay._topology.delays import (
+    CASCADE,
+    HELD,
+    IMMEDIATE,
+    PLUGIN,
+    Router,
+    cascade_routing_key,
+)
 from rabbit_delay._topology.model import Topology
 from rabbit_delay._urls import vhost_of
 from rabbit_delay._version import __version__
@@ -227,6 +234,8 @@ class _Channels:
             self._cascade()
         if self.topology.plugin is not None:
             self._plugin()
+        if self.topology.held is not None:
+            self._held()
         for queue in self.topology.queues:
             self._business_queue(queue)
 
@@ -319,6 +328,20 @@ class _Channels:
         self._send(
             exchange, "Publish a message with an exact delay (x-delay).", PLUGIN_MESSAGE, False
         )
+
+    def _held(self) -> None:
+        exchange = self.names.held_exchange()
+        queue = self.names.held_queue()
+        summary = "The holding queue: any delay, exact, held by the quorum queue (4.3+)."
+        description = (
+            f"Fanout exchange `{exchange}` into the quorum holding queue `{queue}`. The "
+            "holders (AMQP 1.0) have the queue hold each message until its `rd-due-at` "
+            "header (UTC epoch ms), then the queue dead-letters it, routing key kept, to "
+            f"`{self.names.due_exchange()}`, which routes it to its business queue."
+        )
+        parameter = {"enum": self.keys, "description": "The routing key of a business queue."}
+        self._publish_channel(exchange, summary, description, parameter, queue)
+        self._send(exchange, "Publish a message with an exact delay (rd-due-at).", MESSAGE, True)
 
     def _business_queue(self, queue: str) -> None:
         name = self.names.business_queue(queue)
@@ -447,6 +470,8 @@ def _messages(topology: Topology) -> dict[str, Any]:
         tiers.append(CASCADE)
     if topology.plugin is not None:
         tiers.append(PLUGIN)
+    if topology.held is not None:
+        tiers.append(HELD)
     headers = headers_schema(tiers)
     messages = {MESSAGE: _message(MESSAGE, "A delayed message", headers)}
     if topology.plugin is not None:

@@ -361,7 +361,7 @@ def picture(status: Status, names: Names) -> Picture:
     nodes.append(Node("publish", "publish", PUBLISH, 0, "publisher"))
     nodes.append(Node("due", "due exchange", DUE, 0, "exchange"))
     row = 0
-    for q in by_role[QueueRole.BUFFER] + by_role[QueueRole.CASCADE]:
+    for q in by_role[QueueRole.BUFFER] + by_role[QueueRole.CASCADE] + by_role[QueueRole.HOLDING]:
         add(BUFFERS, row, q)
         edges += [("publish", q.name), (q.name, "due")]
         row += 1

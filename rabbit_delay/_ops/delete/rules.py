@@ -23,7 +23,7 @@ from typing import Any
 
 from rabbit_delay._broker import QueueCounts
 from rabbit_delay._errors import RabbitDelayError
-from rabbit_delay._names import CASCADE_KIND, TIER_KIND, Names
+from rabbit_delay._names import CASCADE_KIND, HELD_KIND, TIER_KIND, Names
 from rabbit_delay._plan.desired import Desired, Kind
 from rabbit_delay._plan.diff import PlanItem
 
@@ -94,7 +94,8 @@ class Found:
 def _entry(names: Names, exchange: str) -> bool:
     """An exchange messages enter the topology by (publishers, replays)."""
     kind, detail = names.parse(exchange)
-    return kind in (TIER_KIND, "delayed") or (kind == CASCADE_KIND and detail.endswith(".in"))
+    entry_kinds = (TIER_KIND, "delayed", HELD_KIND)
+    return kind in entry_kinds or (kind == CASCADE_KIND and detail.endswith(".in"))
 
 
 def targets(want: Desired, retired: Iterable[PlanItem] = ()) -> list[Target]:
@@ -107,7 +108,7 @@ def targets(want: Desired, retired: Iterable[PlanItem] = ()) -> list[Target]:
     entries += [t for t in extra if t.kind is Kind.EXCHANGE]
     queues = [Target(Kind.QUEUE, q.name) for q in want.queues]
     queues += [t for t in extra if t.kind is Kind.QUEUE]
-    order = {TIER_KIND: 0, CASCADE_KIND: 1, "q": 2, "parking": 3, "unroutable": 4}
+    order = {TIER_KIND: 0, CASCADE_KIND: 1, HELD_KIND: 1, "q": 2, "parking": 3, "unroutable": 4}
     queues.sort(key=lambda t: order[names.parse(t.name)[0]])  # stable: topology order kept
     rest = [Target(Kind.EXCHANGE, e.name) for e in want.exchanges if not _entry(names, e.name)]
     return [*entries, *queues, *rest]

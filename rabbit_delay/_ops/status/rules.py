@@ -1,7 +1,7 @@
 """What `rabbit-delay status` shows, and what needs a human. Pure: counts are passed in.
 
-One row per queue of the topology (tier buffers, cascade levels, business queues,
-parking lots, the catch-all), flagged by the attention rules below, with a hint for
+One row per queue of the topology (tier buffers, cascade levels, the holding queue,
+business queues, parking lots, the catch-all), flagged by the attention rules below, with a hint for
 each flag. The CLI renders a `Status` as a table or JSON; a dashboard renders the same
 object (`rabbit_delay._ops.status.execute.read_status` reads the broker and builds it).
 
@@ -9,6 +9,8 @@ What needs attention (`Status.attention`, exit 3 under `status --check`):
   - an object of the topology the broker does not have (a queue or an exchange);
   - a parking lot or the catch-all that holds messages;
   - a tier buffer or cascade level with consumers (a bug: they take messages early);
+  - a holding queue ([held]) with ready messages and no consumer: no holder runs, its
+    messages wait past their due time;
   - a buffer whose oldest message is older than its TTL plus a margin: stuck;
   - a quorum queue with less than a majority of its members online.
 """
@@ -22,7 +24,7 @@ from typing import Any
 
 from rabbit_delay._broker import BrokerInfo, QueueCounts
 from rabbit_delay._durations import format_ms, iso_ms
-from rabbit_delay._names import CASCADE_KIND, TIER_KIND
+from rabbit_delay._names import CASCADE_KIND, HELD_KIND, TIER_KIND
 from rabbit_delay._plan.desired import desired
 from rabbit_delay._record import fields_json
 from rabbit_delay._topology.model import QueueType, Topology
@@ -33,6 +35,7 @@ class QueueRole(StrEnum):
 
     BUFFER = "tier buffer"
     CASCADE = "cascade level"
+    HOLDING = "holding queue"
     BUSINESS = "business"
     PARKING = "parking lot"
     CATCH_ALL = "catch-all"
@@ -41,6 +44,7 @@ class QueueRole(StrEnum):
 _ROLE_OF_KIND = {
     "delay": QueueRole.BUFFER,
     "cascade": QueueRole.CASCADE,
+    HELD_KIND: QueueRole.HOLDING,
     "q": QueueRole.BUSINESS,
     "parking": QueueRole.PARKING,
     "unroutable": QueueRole.CATCH_ALL,
@@ -95,6 +99,10 @@ class QueueRow:
     # broker cannot tell), and from where that is known.
     oldest_age_ms: int | None = None
     age_source: str | None = None
+    # The holding queue ([held]): messages held until their due time and the next of
+    # those times (UTC ms), from the management API of RabbitMQ 4.3+.
+    held: int | None = None
+    next_due_at_ms: int | None = None
     notes: list[str] = field(default_factory=list)
     # One line per flag: what to do about it.
     hints: list[str] = field(default_factory=list)
@@ -131,6 +139,8 @@ class QueueRow:
             "members": list(self.members) if self.members is not None else None,
             "online": list(self.online) if self.online is not None else None,
             "dead_lettering": self.dead_lettering,
+            "held": self.held,
+            "next_due_at": iso_ms(self.next_due_at_ms) if self.next_due_at_ms else None,
             "oldest_age_ms": self.oldest_age_ms,
             "oldest_age": format_ms(self.oldest_age_ms) if self.oldest_age_ms is not None else None,
             **fields_json(self, "age_source", "stuck", "attention", "notes", "hints"),
@@ -201,6 +211,11 @@ def status_rows(
         )
         if role in BUFFER_ROLES and exists and ready:
             _age(row, heads, stats, now_ms)
+        if role is QueueRole.HOLDING and stats is not None and stats.delayed is not None:
+            row.held, row.next_due_at_ms = stats.delayed, stats.next_delayed_at
+            if row.held:
+                nxt = f", the next due {iso_ms(row.next_due_at_ms)}" if row.next_due_at_ms else ""
+                row.notes.append(f"{row.held} held{nxt}")
         _flag(topology, row)
         rows.append(row)
     rows.sort(key=lambda r: _ORDER.index(r.role))  # stable: tiers keep the topology's order
@@ -248,6 +263,12 @@ def _flag(topology: Topology, row: QueueRow) -> None:
             f"BUG: {row.consumers} consumer(s) on a delay buffer",
             "a consumer on a delay buffer takes messages before they are due; find it with "
             "`rabbitmqctl list_consumers` and stop it",
+        )
+    if row.role is QueueRole.HOLDING and held and row.consumers == 0:
+        # Held messages are not ready: ready ones in a holding queue wait for a holder.
+        needs(
+            f"no holder: {held} message(s) wait and nothing holds or releases them",
+            "run `rabbit-delay hold` (docs/held.md); its messages are late, not lost",
         )
     if row.stuck:
         age, ttl = row.oldest_age_ms or 0, row.ttl_ms or 0
