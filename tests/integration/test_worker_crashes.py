@@ -425,8 +425,9 @@ def test_a_killed_worker_blocks_its_keys_for_about_one_lease(
 
 # -- 3. app.cancel() from another working directory ----------------------------------------
 
-CANCEL_DELAY = "3s"
-CANCEL_DELAY_S = 3.0
+# long enough for the canceller (a new Python process) to start on a loaded machine
+CANCEL_DELAY = "6s"
+CANCEL_DELAY_S = 6.0
 MARGIN_S = 3.0
 
 CANCEL = "import sys; from rabbit_delay import App; App(sys.argv[1]).cancel(sys.argv[2])"
@@ -449,8 +450,8 @@ def test_cancel_from_another_working_directory_drops_the_message(
             unique_namespace(),
             lease="30s",
             store_path=None,
-            tiers=("1s", "3s"),
-            publish_tiers=("3s",),
+            tiers=("1s", CANCEL_DELAY),
+            publish_tiers=(CANCEL_DELAY,),
         ),
     )
     elsewhere = tmp_path / "elsewhere"
