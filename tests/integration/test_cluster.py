@@ -72,7 +72,14 @@ from ._scratch_node import (
 )
 from .workers.harness import RunningWorker
 
-pytestmark = [pytest.mark.integration, pytest.mark.cluster, pytest.mark.xdist_group("cluster")]
+# The module's cluster starts inside its first test: three 4.x nodes booting on a loaded
+# two-core CI machine took over the default 120 s once.
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.cluster,
+    pytest.mark.xdist_group("cluster"),
+    pytest.mark.timeout(300),
+]
 
 
 TIER = "3s"

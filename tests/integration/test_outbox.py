@@ -363,7 +363,8 @@ def test_due_time_counts_from_creation(
 ) -> None:
     """Created, relayed 2 s later: a cascade delivers at creation + delay, not creation +
     lag + delay; tiers take the shortest accepted tier not shorter than what remains
-    (3s asked, 2 s lag: the 1s tier, on time; 1.5 s lag: 3s again, late by the lag)."""
+    (3s asked, 2 s lag: the 1s tier, on time; 1 s lag: 3s again, late by the lag). The
+    lags are read from the clock around the relay (a loaded machine stretches them)."""
     tiers = declared(tiers={"1s": "1s", "3s": "3s"})
     cascade = declared(tiers={"1s": "1s"}, cascade={"levels": 8, "resolution": "100ms"})
     db = Db("sqlite", "", "outbox", lambda: sqlite3.connect(tmp_path / "due.db"))
@@ -375,15 +376,19 @@ def test_due_time_counts_from_creation(
     on_tiers.add(conn, {"n": "a"}, "3s", queue=QUEUE, message_id="a")
     on_cascade.add(conn, {"n": "c"}, delay=3, queue=QUEUE, message_id="c")
     conn.commit()
-    time.sleep(0.5)
+    time.sleep(1.0)
     created["b"] = time.time() * 1000
     on_tiers.add(conn, {"n": "b"}, "3s", queue=QUEUE, message_id="b")
     conn.commit()
     conn.close()
-    time.sleep(1.5)  # the relay's lag: 2 s for a and c, 1.5 s for b
+    time.sleep(1.0)  # the relay's lag: 2 s for a and c, 1 s for b
+    relayed = []  # when the tiers' relay started and ended
     for topology, table in ((tiers, "outbox"), (cascade, "outbox_c")):
         with Relay(topology, f"sqlite:///{tmp_path / 'due.db'}", table=table, url=broker_url) as r:
+            relayed.append(time.time() * 1000)
             assert r.run_once().relayed == (2 if table == "outbox" else 1)
+            relayed.append(time.time() * 1000)
+    lag_b = (relayed[0] - created["b"], relayed[1] - created["b"])  # b's lag, at least / most
     queues = [tiers.names.business_queue(QUEUE), cascade.names.business_queue(QUEUE)]
     on_time = arrivals(broker_url, queues, 3, 10)
     created["c"] = created["a"]
@@ -394,13 +399,19 @@ def test_due_time_counts_from_creation(
         assert abs(headers[h.H_DUE_AT] - created[m] - 3_000) <= 5, "rd-due-at = creation + 3 s"
         assert headers[h.H_DELAY_MS] == 3_000
     assert on_time["a"][1][h.H_TIER] == "1s"
-    assert on_time["b"][1][h.H_TIER] == "3s"
     assert on_time["c"][1][h.H_TIER] == "cascade"
     assert all(v >= -5 for v in late.values()), f"early: {late}"
     # without the rule a and c would be 2 s late (creation + lag + delay)
     assert late["a"] < 1_000
     assert late["c"] < 1_000
-    assert 1_400 <= late["b"] < 2_500  # late by its lag: no tier is shorter and accepted
+    print(f"b relayed {lag_b[0]:.0f}-{lag_b[1]:.0f} ms after its creation")
+    if lag_b[1] < 2_000:  # over 1 s remained: the 3s tier, late by its lag
+        assert on_time["b"][1][h.H_TIER] == "3s"
+        assert lag_b[0] - 5 <= late["b"] < lag_b[1] + 1_000
+    elif lag_b[0] > 2_000:  # under 1 s remained: the 1s tier
+        assert on_time["b"][1][h.H_TIER] == "1s"
+    else:  # at the edge while the relay ran: either, never early (above)
+        assert on_time["b"][1][h.H_TIER] in ("1s", "3s")
 
 
 # -- retention --------------------------------------------------------------------------
