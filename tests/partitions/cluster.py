@@ -21,7 +21,8 @@ Node kinds are `.ci/brokers.sh`'s VERSIONs: `host` (the machine's rabbitmq-serve
 here, data under $RD_BROKERS_DIR/partitions/) and `4.0` / `4.3` (their Debian roots,
 provisioned by `brokers.sh setup`, data under the root's /var/lib/rd-nodes/p23-*, run as
 the root's node user, chrooted, inside the namespace). Members join through classic
-peer discovery: member 1 boots first, the others find it.
+peer discovery (3.x: member 1 boots first and the others find it; 4.x: all at once,
+its discovery elects the seed).
 
 Cleanup is certain: `cleanup()` (the fixture's finalizer, an atexit hook, and
 `python -m partitions cleanup` for a run that was killed) kills every process inside
@@ -91,6 +92,14 @@ def netem_available() -> bool:
         return done.returncode == 0
     finally:
         run(["ip", "netns", "del", ns], check=False)
+
+
+def _cmdline(pid: int) -> bytes:
+    """The command line of process `pid` (b"" once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def host_server() -> str:
@@ -224,8 +233,8 @@ class Member:
     def kill(self) -> None:
         """SIGKILL every process in its namespace but epmd (a crash of the node)."""
         for pid in self.pids():
-            with contextlib.suppress(OSError):
-                if b"epmd" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"epmd" not in _cmdline(pid):
+                with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
 
     def pids(self) -> list[int]:
@@ -383,11 +392,7 @@ class PartitionCluster:
             start_new_session=True,
         ))  # fmt: skip
         deadline = time.monotonic() + 10
-        while not any(
-            b"epmd" in Path(f"/proc/{p}/cmdline").read_bytes()
-            for p in m.pids()
-            if Path(f"/proc/{p}").exists()
-        ):
+        while not any(b"epmd" in _cmdline(p) for p in m.pids()):
             if time.monotonic() > deadline:
                 raise HarnessError(f"epmd did not start in {m.ns}")
             time.sleep(0.1)
@@ -570,6 +575,27 @@ class PartitionCluster:
             f"{{{ra}, '{target.node_name}'}}).",
         )
         return target.node_name
+
+    def transfer_leaderships(self, queues: Sequence[str]) -> dict[str, str]:
+        """`transfer_leadership` of each of `queues` (vhost /), in one rabbitmqctl call:
+        queue -> its new leader."""
+        leaders = self.leaders()
+        moves: dict[str, tuple[Member, Member]] = {}
+        for q in queues:
+            if q in leaders:
+                current = self.member(leaders[q])
+                # the next member round the ring: spread, not all onto one node
+                target = self.members[current.index % self.size]
+                moves[q] = (current, target)
+        if not moves:
+            return {}
+        calls = ", ".join(
+            f"ra:transfer_leadership({{'%2F_{q}', '{c.node_name}'}}, "
+            f"{{'%2F_{q}', '{t.node_name}'}})"
+            for q, (c, t) in moves.items()
+        )
+        self.members[0].ctl("eval", f"[{calls}].", timeout=120)
+        return {q: t.node_name for q, (_c, t) in moves.items()}
 
     def leaders(self) -> dict[str, str]:
         """Queue name -> the node leading it (quorum queues), as a running member says."""

@@ -324,6 +324,13 @@ class Workload:
             return {q: c.dead_lettering or 0 for q, c in counts.items()}
         return {}
 
+    def dead_lettering_queues(self) -> list[str]:
+        """The queues that dead-letter at-least-once: tier buffers and cascade levels."""
+        names = self.topology.names
+        tiers = [q for t in TIERS for q in self.topology.tier_queues(t)]
+        levels = [names.cascade_queue(level) for level in range(3)]
+        return tiers + levels
+
     def stalled(self) -> dict[str, int]:
         """`dead_lettering()` of the queues where it stays above 0 for two samples of the
         management API (it reports every 5 s: one sample may be stale)."""
