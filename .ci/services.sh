@@ -24,6 +24,8 @@
 #                       fails naming them), then `npm ci` in $RD_NODE_DIR (tests/interop/node:
 #                       amqplib as its package-lock.json pins it) when its node_modules is
 #                       missing or older than the lock file
+#   ensure_nftables     nft (Debian's nftables, installed with apt-get when missing and we are
+#                       root), which the partition tests use inside network namespaces
 
 RD_AMQP_HOST=${RD_AMQP_HOST:-127.0.0.1}
 RD_AMQP_PORT=${RD_AMQP_PORT:-5672}
@@ -258,4 +260,18 @@ ensure_node() {
         timeout "$RD_INSTALL_TIMEOUT" npm ci --prefix "$RD_NODE_DIR" --no-audit --no-fund --loglevel=error \
             || _die "npm ci in $RD_NODE_DIR failed" || return 1
     fi
+}
+
+ensure_nftables() {  # nft, for the partition tests (tests/partitions: rules inside network namespaces)
+    if command -v nft >/dev/null 2>&1; then
+        _say "nftables: $(nft --version 2>/dev/null)"
+        return 0
+    fi
+    if [ "$(id -u 2>/dev/null)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        _say "no nft: apt-get install -y nftables (for the partition tests)"
+        _apt_install nftables || _die "apt-get install nftables failed" || return 1
+        command -v nft >/dev/null 2>&1 || _die "nft still missing after apt-get install nftables" || return 1
+        return 0
+    fi
+    _say "WARNING: no nft and cannot install it here (needs root and apt-get): the partition tests skip"
 }
