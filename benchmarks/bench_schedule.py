@@ -297,8 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         if "redis" in stores:
             client = RedisStore(redis_url, prefix=redis_prefix)
             keys = list(client.client.scan_iter(match=redis_prefix + "*", count=1000))
-            if keys:
-                client.client.delete(*keys)
+            for i in range(0, len(keys), 1_000):  # one DEL of 100,000s of keys times out
+                client.client.unlink(*keys[i : i + 1_000])
             client.close()
         for table in pg_tables:
             bc.drop_table(pg_url, table)
