@@ -579,7 +579,9 @@ def test_same_broker_v1_classic_to_v2_quorum_with_a_cascade(
     figures = timing(received, dues)
     assert figures["early"] == []
     # exact through the cascade: late by the 250 ms rounding and the broker, no tier gap
-    assert figures["late_max_ms"] <= 250 + 1_500, figures
+    # (v2's only tier is 1h); the broker's share is seconds on a loaded CI machine (two
+    # brokers, six test workers, two cores: 2.5 s seen once)
+    assert figures["late_max_ms"] <= 250 + 5_000, figures
     by_id = {r.message_id: r for r in received}
     for out in [*outs, *ready]:
         got = by_id[out.message_id].headers
