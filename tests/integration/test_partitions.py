@@ -32,7 +32,8 @@ pytestmark = [
     pytest.mark.integration,
     pytest.mark.cluster,
     pytest.mark.partition,
-    pytest.mark.xdist_group("cluster"),
+    # a group of its own: its cluster boots beside test_cluster's, on another CI worker
+    pytest.mark.xdist_group("partition"),
 ]
 
 NETS = {"host": 1, "4.0": 2, "4.3": 3}  # 10.23.N.0/24: one per version, never the bench's
