@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import logging
@@ -153,6 +154,17 @@ def place(book: Any, topology: Topology, keys: list[str]) -> None:
             for k in keys[i : i + BATCH]
         ]
         book.place_many(entries, now_ms=now)
+
+
+def delete_redis_keys(url: str, prefix: str) -> None:
+    """Every key of this run, a slice at a time (one DEL of 100,000s of keys times out)."""
+    client = RedisStore(url, prefix=prefix)
+    try:
+        keys = list(client.client.scan_iter(match=prefix + "*", count=1000))
+        for i in range(0, len(keys), 1_000):
+            client.client.unlink(*keys[i : i + 1_000])
+    finally:
+        client.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,17 +304,15 @@ def main(argv: list[str] | None = None) -> int:
                 samples[name].append(rate)
                 log(f"  round {r + 1}: {name:<24} {rate:>9.0f} msg/s")
     finally:
-        bc.delete_topology(url, plain)
-        tmp.cleanup()
-        if "redis" in stores:
-            client = RedisStore(redis_url, prefix=redis_prefix)
-            keys = list(client.client.scan_iter(match=redis_prefix + "*", count=1000))
-            for i in range(0, len(keys), 1_000):  # one DEL of 100,000s of keys times out
-                client.client.unlink(*keys[i : i + 1_000])
-            client.close()
-        for table in pg_tables:
-            bc.drop_table(pg_url, table)
-            bc.drop_table(pg_url, table + "_schedule")
+        # each clean-up step runs whatever became of the one before
+        with contextlib.ExitStack() as cleanup:
+            for table in pg_tables:
+                cleanup.callback(bc.drop_table, pg_url, table + "_schedule")
+                cleanup.callback(bc.drop_table, pg_url, table)
+            if "redis" in stores:
+                cleanup.callback(delete_redis_keys, redis_url, redis_prefix)
+            cleanup.callback(tmp.cleanup)
+            bc.delete_topology(url, plain)
 
     medians = {name: statistics.median(values) for name, values in samples.items()}
     rows = []
