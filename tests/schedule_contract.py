@@ -68,6 +68,9 @@ def entry(
 
 class ScheduleContract:
     shared_backend = True
+    # False for a store whose guard judges leases by its server's clock (Redis): the
+    # record's claims then too (on a guard key), so a lease cannot be run out by `now`.
+    caller_clock = True
 
     @pytest.fixture
     def store(self, new_store: NewStore) -> Any:
@@ -271,6 +274,161 @@ class ScheduleContract:
         await self.finish(store, Update(Ref(scope, key, 1), Finished.HANDLED, KEEP))
         record = await store.schedule.lookup(scope, key)
         assert (record.state, record.generation) == (ScheduleState.SCHEDULED, 2)
+
+    # -- the record as the claim (a delivery whose guard key is its message_id's) -----
+    # SQLite and PostgreSQL hold such a claim on the record itself (no guard row); the
+    # other stores on a guard row. What a worker sees is the same on every store.
+
+    def held_ref(self, scope: str, key: str, e: Entry, generation: int = 1) -> Ref:
+        return Ref(scope, key, generation, e.message_id)
+
+    async def claim_as(self, store: Any, ref: Ref, owner: str = "w1", now: int = T0) -> Any:
+        _, claimed = await store.scheduled_batch(
+            [],
+            [(f"q:{ref.message_id}", owner, ref)],
+            now_ms=now,
+            lease_ms=LEASE,
+            retention_ms=RETENTION,
+        )
+        return claimed[0]
+
+    async def finish_as(
+        self,
+        store: Any,
+        ref: Ref,
+        update: Update | None,
+        owner: str = "w1",
+        now: int = T0,
+        succeeded: bool | None = None,
+    ) -> Any:
+        ok = (
+            (update is not None and update.finished is Finished.HANDLED)
+            if succeeded is None
+            else succeeded
+        )
+        finished, _ = await store.scheduled_batch(
+            [(f"q:{ref.message_id}", owner, ok, update)],
+            [],
+            now_ms=now,
+            lease_ms=LEASE,
+            retention_ms=RETENTION,
+        )
+        return finished[0]
+
+    async def test_a_record_claim_is_held_until_its_lease_runs_out(
+        self, store: Any, scope: str
+    ) -> None:
+        key, e = new_key(), None
+        e = entry(scope, key)
+        await self.place(store, e)
+        ref = self.held_ref(scope, key, e)
+        assert await self.claim_as(store, ref) is ClaimResult.CLAIMED
+        assert await self.claim_as(store, ref, owner="w1", now=T0 + 10) is ClaimResult.CLAIMED
+        assert await self.claim_as(store, ref, owner="w2", now=T0 + 20) is ClaimResult.IN_PROGRESS
+        if self.caller_clock:
+            later = T0 + 10 + LEASE + 1  # w1's re-entrant claim renewed the lease at T0 + 10
+            assert await self.claim_as(store, ref, owner="w2", now=later) is ClaimResult.CLAIMED
+        record = await store.schedule.lookup(scope, key)
+        assert record.state is ScheduleState.SCHEDULED  # a claim is not a state change
+
+    async def test_two_copies_in_one_batch_one_runs(self, store: Any, scope: str) -> None:
+        key = new_key()
+        e = entry(scope, key)
+        await self.place(store, e)
+        ref = self.held_ref(scope, key, e)
+        _, claimed = await store.scheduled_batch(
+            [],
+            [(f"q:{e.message_id}", "w1", ref), (f"q:{e.message_id}", "w2", ref)],
+            now_ms=T0,
+            lease_ms=LEASE,
+            retention_ms=RETENTION,
+        )
+        assert claimed == [ClaimResult.CLAIMED, ClaimResult.IN_PROGRESS]
+
+    async def test_a_record_claim_handled_makes_copies_duplicates(
+        self, store: Any, scope: str
+    ) -> None:
+        key = new_key()
+        e = entry(scope, key)
+        await self.place(store, e)
+        ref = self.held_ref(scope, key, e)
+        assert await self.claim_as(store, ref) is ClaimResult.CLAIMED
+        assert (
+            await self.finish_as(store, ref, Update(ref, Finished.HANDLED, KEEP), now=T0 + 5)
+            is None
+        )
+        record = await store.schedule.lookup(scope, key)
+        assert (record.state, record.expires_ms) == (ScheduleState.HANDLED, T0 + 5 + KEEP)
+        assert await self.claim_as(store, ref, owner="w2", now=T0 + 6) is ClaimResult.DONE
+        # and the lease is gone with it: renewing it finds nothing
+        gone = await store.renew(f"q:{e.message_id}", "w1", now_ms=T0 + 7, lease_ms=LEASE)
+        assert gone is False
+
+    async def test_a_record_claim_released_or_retried_is_free_again(
+        self, store: Any, scope: str
+    ) -> None:
+        key = new_key()
+        e = entry(scope, key)
+        await self.place(store, e)
+        ref = self.held_ref(scope, key, e)
+        assert await self.claim_as(store, ref) is ClaimResult.CLAIMED
+        # the handler did not start (the worker stopping): given back, no record change
+        assert await self.finish_as(store, ref, None, succeeded=False, now=T0 + 1) is None
+        assert await self.claim_as(store, ref, owner="w2", now=T0 + 2) is ClaimResult.CLAIMED
+        retry = Update(ref, Finished.RETRY, KEEP, "ValueError: boom", T0 + 90_000, T0 + 150_000)
+        assert await self.finish_as(store, ref, retry, owner="w2", now=T0 + 3) is None
+        record = await store.schedule.lookup(scope, key)
+        assert (record.state, record.attempts, record.due_ms) == (
+            ScheduleState.SCHEDULED,
+            1,
+            T0 + 90_000,
+        )
+        assert await self.claim_as(store, ref, owner="w3", now=T0 + 4) is ClaimResult.CLAIMED
+
+    async def test_a_record_claim_is_renewed_by_its_owner(self, store: Any, scope: str) -> None:
+        key = new_key()
+        e = entry(scope, key)
+        await self.place(store, e)
+        ref = self.held_ref(scope, key, e)
+        assert await self.claim_as(store, ref) is ClaimResult.CLAIMED
+        renewed = await store.renew(
+            f"q:{e.message_id}", "w1", now_ms=T0 + LEASE - 1, lease_ms=LEASE
+        )
+        assert renewed is True
+        assert await store.renew(f"q:{e.message_id}", "w9", now_ms=T0, lease_ms=LEASE) is False
+        # past the first lease, inside the renewed one: still held
+        after = T0 + LEASE + 100
+        assert await self.claim_as(store, ref, owner="w2", now=after) is ClaimResult.IN_PROGRESS
+
+    async def test_a_guard_row_of_the_key_still_decides(self, store: Any, scope: str) -> None:
+        key = new_key()
+        e = entry(scope, key)
+        await self.place(store, e)
+        ref = self.held_ref(scope, key, e)
+        # a tombstone written by the guard's own cancel (no schedule)
+        await store.cancel(f"q:{e.message_id}", now_ms=T0, retention_ms=KEEP)
+        assert await self.claim_as(store, ref, now=T0 + 1) is ClaimResult.CANCELLED
+
+    async def test_a_new_generation_is_not_held_by_the_old_one_s_claim(
+        self, store: Any, scope: str
+    ) -> None:
+        key = new_key()
+        first = entry(scope, key)
+        await self.place(store, first)
+        old = self.held_ref(scope, key, first)
+        assert await self.claim_as(store, old) is ClaimResult.CLAIMED
+        second = entry(scope, key, due=T0 + 90_000)
+        await self.place(store, second, now=T0 + 1)
+        new = self.held_ref(scope, key, second, generation=2)
+        assert await self.claim_as(store, new, owner="w2", now=T0 + 2) is ClaimResult.CLAIMED
+        assert await self.claim_as(store, old, owner="w3", now=T0 + 3) is ClaimResult.SUPERSEDED
+        # the old handler's result changes nothing; the new one's is recorded
+        handled_old = Update(old, Finished.HANDLED, KEEP)
+        assert await self.finish_as(store, old, handled_old, now=T0 + 4) is None
+        assert (await store.schedule.lookup(scope, key)).state is ScheduleState.SCHEDULED
+        handled_new = Update(new, Finished.HANDLED, KEEP)
+        assert await self.finish_as(store, new, handled_new, owner="w2", now=T0 + 5) is None
+        assert (await store.schedule.lookup(scope, key)).state is ScheduleState.HANDLED
 
     # -- cancel and reschedule --------------------------------------------------------
 

@@ -250,7 +250,7 @@ def delivery_program(
         action = consumer.decide(prepared, _result(ran), now(), broker, crashes, lease_ms)
         return (yield from _settle(consumer, message_id, attempt, action, tier))
 
-    ref = _ref(consumer, delivery.headers)
+    ref = _ref(consumer, delivery.headers, None if consumer.key is not None else message_id)
     claim = yield Claim(key, owner, ref)
     if claim is STALE:
         return Settled(consumer.queue, message_id, attempt, Outcome.STALE, None, tier)
@@ -298,13 +298,19 @@ def delivery_program(
     return (yield from _settle(consumer, message_id, attempt, action, tier))
 
 
-def _ref(consumer: Consumer, headers: Mapping[str, Any] | None) -> Ref | None:
+def _ref(
+    consumer: Consumer, headers: Mapping[str, Any] | None, message_id: str | None
+) -> Ref | None:
     """The schedule key and generation a delivery carries, if its consumer keeps the
-    schedule (a topology with [schedule]) and the headers name them."""
+    schedule (a topology with [schedule]) and the headers name them; with `message_id`
+    when its guard key is made of it (the record may then hold the claim)."""
     keeping = consumer.schedule
     if keeping is None or not headers:
         return None
-    return ref_of(keeping.scope, headers.get(H_KEY), headers.get(H_GENERATION))
+    ref = ref_of(keeping.scope, headers.get(H_KEY), headers.get(H_GENERATION))
+    if ref is None or not message_id:
+        return ref
+    return Ref(ref.scope, ref.key, ref.generation, message_id)
 
 
 def _update(consumer: Consumer, ref: Ref | None, action: Action, now_ms: int) -> Update | None:

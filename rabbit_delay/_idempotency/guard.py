@@ -13,6 +13,7 @@ from rabbit_delay._envelope import now_ms as wall_clock_ms
 from rabbit_delay._errors import ConfigError
 from rabbit_delay._schedule.book import SyncBookAsAsync
 from rabbit_delay._schedule.records import Ref, Update, Verdict
+from rabbit_delay._schedule.rules import RECORD_BUSY, RECORD_CLAIMED
 
 DEFAULT_PREFIX = "rabbit-delay:"
 
@@ -43,6 +44,13 @@ VERDICT_RESULT = {
     Verdict.SUPERSEDED: ClaimResult.SUPERSEDED,
     Verdict.CANCELLED: ClaimResult.CANCELLED,
     Verdict.HANDLED: ClaimResult.DONE,
+}
+# The same, with the claims a record holds (`rules.claim_on_record`): the store's answer
+# to a scheduled claim that needs no guard row.
+SCHEDULE_RESULT: dict[str, ClaimResult] = {
+    **{str(verdict): result for verdict, result in VERDICT_RESULT.items()},
+    RECORD_CLAIMED: ClaimResult.CLAIMED,
+    RECORD_BUSY: ClaimResult.IN_PROGRESS,
 }
 
 

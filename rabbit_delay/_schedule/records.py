@@ -184,6 +184,10 @@ class Ref:
     scope: str
     key: str
     generation: int
+    # The delivery's message_id when its guard key is made of it (the consumer has no
+    # `key` function): then the record, which knows its generation's message_id, may
+    # hold the delivery's claim instead of a guard row (`rules.claim_on_record`).
+    message_id: str | None = None
 
 
 class Verdict(StrEnum):

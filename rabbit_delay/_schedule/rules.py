@@ -108,6 +108,39 @@ def check_state(
     return None
 
 
+RECORD_CLAIMED = "claimed"
+RECORD_BUSY = "busy"
+
+
+def claim_on_record(
+    record_generation: int,
+    record_state: ScheduleState,
+    record_message_id: str,
+    holder: str | None,
+    lease_until_ms: int | None,
+    *,
+    ref: Ref,
+    owner: str,
+    now_ms: int,
+) -> str | None:
+    """Whether a delivery the schedule lets run (`check_state` said None) is claimed on
+    its record instead of a guard row: the record as the claim (docs/schedule.md).
+
+    Only the record's own generation, still scheduled, and only when the delivery's
+    guard key is made of the record's message_id (`ref.message_id`; a consumer's `key`
+    function makes another key: then the guard row decides, as it may deduplicate
+    across messages). RECORD_CLAIMED when the
+    record is free, its lease ran out, or `owner` holds it already (re-entrant);
+    RECORD_BUSY when another owner holds a live lease; None: claim on a guard row."""
+    if ref.generation != record_generation or record_state is not SCHEDULED:
+        return None
+    if ref.message_id is None or ref.message_id != record_message_id:
+        return None
+    if holder is None or holder == owner or lease_until_ms is None or lease_until_ms <= now_ms:
+        return RECORD_CLAIMED
+    return RECORD_BUSY
+
+
 def dropped(record: ScheduleRecord, now_ms: int) -> ScheduleRecord:
     """A stale or cancelled copy was dropped: counted on the record."""
     return dataclasses.replace(record, dropped=record.dropped + 1, updated_ms=now_ms)

@@ -47,12 +47,14 @@ from rabbit_delay._idempotency.guard import (
     ScheduledFinish,
 )
 from rabbit_delay._io.sql import check_table_name
+from rabbit_delay._schedule import rules
 from rabbit_delay._schedule.book import SweptItem
 from rabbit_delay._schedule.records import (
     Entry,
     Finished,
     Placed,
     Query,
+    Ref,
     ScheduleRecord,
     ScheduleState,
     Verdict,
@@ -60,6 +62,7 @@ from rabbit_delay._schedule.records import (
 from rabbit_delay._stores.sql_schedule import (
     POSTGRES,
     Program,
+    Sql,
     SQLSchedule,
     pipelined,
     run_async,
@@ -159,12 +162,41 @@ ON CONFLICT (key) DO UPDATE SET
     state = 'done', owner = excluded.owner, expires_at = excluded.expires_at
 WHERE r.state = 'claimed' OR r.expires_at <= {{now}}
 """,
+    # The same for finishes whose schedule records their owners may hold (the record as
+    # the claim: then the record is updated alone, and no guard row is written).
+    "finish_unheld": """
+WITH released AS (
+    DELETE FROM {t} AS r USING unnest(%(rkeys)s::text[], %(rowners)s::text[]) AS i(key, owner)
+    WHERE r.key = i.key AND r.state = 'claimed' AND r.owner = i.owner
+)
+INSERT INTO {t} AS r (key, state, owner, expires_at)
+SELECT i.key, 'done', i.owner, {now} + %(retention)s
+FROM unnest(%(keys)s::text[], %(owners)s::text[]) AS i(key, owner)
+WHERE NOT EXISTS (SELECT 1 FROM {t}_schedule AS s WHERE s.owner = i.owner)
+ORDER BY i.key
+ON CONFLICT (key) DO UPDATE SET
+    state = 'done', owner = excluded.owner, expires_at = excluded.expires_at
+WHERE r.state = 'claimed' OR r.expires_at <= {now}
+""",
     # Whatever the old lease end: a claim that ran out and that nobody took over is
     # still ours. Never inserts.
+    # The guard row's lease, or else the record's (the record as the claim: its
+    # schedule table's row, found by its owner; the schedule goes by the caller's clock).
     "renew": """
-UPDATE {t} SET expires_at = {now} + %(lease)s
-WHERE key = %(key)s AND state = 'claimed' AND owner = %(owner)s
-RETURNING 1
+WITH g AS (
+    UPDATE {t} SET expires_at = {now} + %(lease)s
+    WHERE key = %(key)s AND state = 'claimed' AND owner = %(owner)s
+    RETURNING 1
+), s AS (
+    UPDATE {t}_schedule SET lease_until = %(now)s::bigint + %(lease)s
+    WHERE owner = %(owner)s AND state = 'scheduled' AND NOT EXISTS (SELECT 1 FROM g)
+    RETURNING 1
+)
+SELECT 1 FROM g UNION ALL SELECT 1 FROM s
+""",
+    # The keys of these that have a live row (a claim, done-record or tombstone).
+    "live": """
+SELECT key FROM {t} WHERE key = ANY(%(keys)s::text[]) AND expires_at > {now}
 """,
     # A second cancel never shortens a tombstone.
     "cancel": """
@@ -289,8 +321,10 @@ class _Statements:
         return _Request(statements, read)
 
     def finishes(
-        self, items: Sequence[FinishItem], now_ms: int, retention_ms: int
+        self, items: Sequence[FinishItem], now_ms: int, retention_ms: int, *, unheld: bool = False
     ) -> _Request[list[None]]:
+        """The finishes of `items`; with `unheld`, none for an owner who holds a schedule
+        record's claim (its record's update is its finish)."""
         keys = [self.prefix + key for key, _, _ in items]
         statements: list[_Statement] = []
         for wave in _waves(keys):
@@ -304,7 +338,7 @@ class _Statements:
                 "now": now_ms,
                 "retention": retention_ms,
             }
-            statements.append((self.sql["finish"], params))
+            statements.append((self.sql["finish_unheld" if unheld else "finish"], params))
         return _Request(statements, lambda _: [None] * len(items))
 
     def renew(self, key: str, owner: str, now_ms: int, lease_ms: int) -> _Request[bool]:
@@ -342,13 +376,18 @@ def _single_finish(
 class _ScheduledBatch:
     """A worker's batch with its schedule (`scheduled_batch`), as statements: pure,
     shared by the sync and async stores. Sent in one pipeline, its implicit transaction
-    committed by the pipeline's Sync: one transaction in at most two round trips.
+    committed by the pipeline's Sync: one transaction in two round trips.
 
-    First the finishes (one statement), their schedule updates (one per kind) and the
-    read of the records the claims' refs name (`SQLSchedule.check`): reading its rows
-    ends the first round trip. Then the dropped copies counted, the claims the schedule
-    did not answer (one statement, `claims`) and the Sync: the second. With no ref to
-    read, all of it goes in one round trip."""
+    The record is the claim (docs/schedule.md): a claim whose ref names its record's
+    generation, still scheduled, is held on the record, and its finish updates the
+    record alone; no guard row is written for either. First the reads (`reads`): the
+    records of the finishes' refs (who holds them), of the claims' refs (the schedule's
+    word, `SQLSchedule.claim`'s rules) and the claims' live guard rows, which still
+    decide. Their rows end the first round trip. Then every write (`writes`): the guard
+    finishes of the finishes the records do not hold, the schedule's updates, the claims
+    given back, the dropped copies counted, the record claims (a compare-and-set: one
+    that another transaction changed in between is IN_PROGRESS, and runs later) and the
+    guard claims, and the Sync: the second."""
 
     def __init__(
         self,
@@ -362,39 +401,128 @@ class _ScheduledBatch:
         retention_ms: int,
     ) -> None:
         self._sql = sql
+        self._schedule = schedule
+        self._finishes = finishes
         self._claims = claims
         self._now_ms = now_ms
         self._lease_ms = lease_ms
-        items = [(key, owner, succeeded) for key, owner, succeeded, _ in finishes]
-        self.finishes = sql.finishes(items, now_ms, retention_ms).statements
-        updates = [update for *_, update in finishes if update is not None]
-        self.updates = pipelined(schedule.finish(updates, now_ms))
-        self._refs = [(i, ref) for i, (_, _, ref) in enumerate(claims) if ref is not None]
-        self.check = pipelined(schedule.check([ref for _, ref in self._refs], now_ms))
+        self._retention_ms = retention_ms
+        self._with_update = [(i, f[1], f[3]) for i, f in enumerate(finishes) if f[3] is not None]
+        self._refs = [(i, c[2]) for i, c in enumerate(claims) if c[2] is not None]
         self.finished: list[Exception | None] = [None] * len(finishes)
+        self._check_reads: list[tuple[str, Sql]] = []
+        updates = [u for _, _, u in self._with_update]
         # Sent twice, it is the same as once unless it counts something: a retried or
         # parked record's failure, a dropped copy (see `_Attempt`).
         self.replayable = all(update.finished is Finished.HANDLED for update in updates)
 
-    def claims(self, verdicts: Sequence[Verdict | None]) -> _Request[list[ClaimResult]]:
-        """Given the schedule's verdicts: the claim of every item it did not answer, and
-        every item's outcome from its rows."""
-        answered: dict[int, ClaimResult] = {}
-        for (i, _), verdict in zip(self._refs, verdicts, strict=True):
+    def reads(self) -> list[Sql]:
+        """The first round trip, sent at once: who holds the finishes' records, the
+        records of the claims' refs, and which claims' guard keys have a live row."""
+        refs = [ref for _, ref in self._refs]
+        self._check_reads = self._schedule.read_rows(refs, "check")
+        statements = [s for _, s in self._check_reads]
+        if refs:
+            keys = [self._sql.prefix + self._claims[i][0] for i, _ in self._refs]
+            statements.append(Sql(self._sql.sql["live"], {"keys": keys, "now": self._now_ms}))
+        return statements
+
+    def seen(self, results: list[Rows]) -> tuple[list[Any], set[str]]:
+        """What `reads` found: each claim ref's record or None, and the claims' guard
+        keys with a live row."""
+        n_check = len(self._check_reads)
+        check = self._schedule.found(self._check_reads, results[:n_check])
+        records = [check.get((r.scope, r.key)) for _, r in self._refs]
+        live: set[str] = set()
+        if self._refs:
+            n = len(self._sql.prefix)
+            live = {key[n:] for (key,) in results[n_check]}
+        return records, live
+
+    def writes(
+        self, seen: tuple[list[Any], set[str]]
+    ) -> tuple[Program[None], _Request[list[ClaimResult]]]:
+        """The second round trip (or the only one, with no claim to read for), given the
+        reads: the schedule's writes (a program), and the statements whose rows make the
+        claims' outcomes."""
+        rows, live = seen
+        # the finishes of records their owners hold write no guard row (`finish_unheld`)
+        with_update = [f[:3] for f in self._finishes if f[3] is not None]
+        plain = [f[:3] for f in self._finishes if f[3] is None]
+        releases = [f[1] for f in self._finishes if f[3] is None]
+        updates = [u for _, _, u in self._with_update]
+        outcomes: dict[int, ClaimResult] = {}
+        on_claim: list[tuple[int, str, str, Ref]] = []  # (slot, guard key, owner, ref)
+        drops: list[Ref] = []
+        taken: set[tuple[str, str]] = set()
+        for (i, ref), row in zip(self._refs, rows, strict=True):
+            if row is None:
+                continue
+            key, owner = self._claims[i][0], self._claims[i][1]
+            generation, state = int(row[0]), ScheduleState(row[1])
+            verdict = rules.check_state(generation, state, ref.generation)
             if verdict is not None:
-                answered[i] = VERDICT_RESULT[verdict]
+                outcomes[i] = VERDICT_RESULT[verdict]
                 if verdict is not Verdict.HANDLED:
+                    drops.append(ref)
                     self.replayable = False  # a dropped copy is counted
-        rest = [i for i in range(len(self._claims)) if i not in answered]
-        items = [(self._claims[i][0], self._claims[i][1]) for i in rest]
-        request = self._sql.claims(items, self._now_ms, self._lease_ms)
+                continue
+            if key in live:
+                continue
+            answer = rules.claim_on_record(
+                generation,
+                state,
+                row[2],
+                row[3],
+                row[4],
+                ref=ref,
+                owner=owner,
+                now_ms=self._now_ms,
+            )
+            if answer is None:
+                continue
+            at = (ref.scope, ref.key)
+            if answer == rules.RECORD_BUSY or at in taken:
+                outcomes[i] = ClaimResult.IN_PROGRESS
+            else:
+                taken.add(at)
+                on_claim.append((i, key, owner, ref))
+        rest = [i for i in range(len(self._claims)) if i not in outcomes]
+        rest = [i for i in rest if i not in {c[0] for c in on_claim}]
+        now_ms, schedule = self._now_ms, self._schedule
+
+        def program() -> Program[None]:
+            retention_ms = self._retention_ms
+            if with_update:
+                request = self._sql.finishes(with_update, now_ms, retention_ms, unheld=True)
+                for sql, params in request.statements:
+                    yield Sql(sql, params)
+            if plain:
+                for sql, params in self._sql.finishes(plain, now_ms, retention_ms).statements:
+                    yield Sql(sql, params)
+                yield from schedule.release_owners(releases)
+            if updates:
+                yield from schedule.finish(updates, now_ms)
+            yield from schedule.dropped(drops, now_ms)
+
+        held = schedule.claim_records(
+            [(owner, ref) for _, _, owner, ref in on_claim], now_ms, self._lease_ms
+        )
+        guard = self._sql.claims(
+            [(self._claims[i][0], self._claims[i][1]) for i in rest], now_ms, self._lease_ms
+        )
 
         def read(results: list[Rows]) -> list[ClaimResult]:
-            outcomes = dict(answered)
-            outcomes.update(zip(rest, request.read(results), strict=True))
+            got = {(r[0], r[1]) for r in results[0]} if held is not None else set()
+            for slot, _, _, ref in on_claim:
+                claimed = (ref.scope, ref.key) in got
+                outcomes[slot] = ClaimResult.CLAIMED if claimed else ClaimResult.IN_PROGRESS
+            guard_rows = results[1:] if held is not None else results
+            outcomes.update(zip(rest, guard.read(guard_rows), strict=True))
             return [outcomes[i] for i in range(len(self._claims))]
 
-        return _Request(request.statements, read)
+        statements = ([held] if held is not None else []) + guard.statements
+        return pipelined(program()), _Request(statements, read)
 
 
 @dataclass
@@ -851,11 +979,10 @@ class PostgresStore(_Base):
     ) -> tuple[list[Exception | None], list[ClaimResult]]:
         batch = plan()
         with conn.pipeline():
-            for sql, params in batch.finishes:
-                conn.execute(sql, params)
-            run_sync(conn.cursor(), batch.updates)
-            verdicts = run_sync(conn.cursor(), batch.check)  # its rows end a round trip
-            claims = batch.claims(verdicts)
+            reads = [conn.execute(r.text, r.params) for r in batch.reads()]
+            seen = batch.seen([c.fetchall() for c in reads])  # ends a round trip, if any
+            program, claims = batch.writes(seen)
+            run_sync(conn.cursor(), program)
             cursors = [conn.execute(sql, params) for sql, params in claims.statements]
             attempt.replayable = batch.replayable
             attempt.committing = True  # the Sync, as the pipeline ends
@@ -1173,11 +1300,10 @@ class AsyncPostgresStore(_Base):
     ) -> tuple[list[Exception | None], list[ClaimResult]]:
         batch = plan()
         async with conn.pipeline():
-            for sql, params in batch.finishes:
-                await conn.execute(sql, params)
-            await run_async(conn.cursor(), batch.updates)
-            verdicts = await run_async(conn.cursor(), batch.check)
-            claims = batch.claims(verdicts)
+            reads = [await conn.execute(r.text, r.params) for r in batch.reads()]
+            seen = batch.seen([await c.fetchall() for c in reads])  # ends a round trip, if any
+            program, claims = batch.writes(seen)
+            await run_async(conn.cursor(), program)
             cursors = [await conn.execute(sql, params) for sql, params in claims.statements]
             attempt.replayable = batch.replayable
             attempt.committing = True

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -53,7 +53,7 @@ _KEYS_PER_READ = 400
 @dataclass(frozen=True, slots=True)
 class Sql:
     text: str
-    params: Sequence[Any] = ()
+    params: Sequence[Any] | Mapping[str, Any] = ()
     fetch: Fetch = "none"
     many: bool = False  # params is a sequence of parameter rows (executemany)
 
@@ -95,7 +95,11 @@ def schema(table: str, dialect: Dialect) -> list[str]:
     due_ms, key) and (scope, queue, due_ms, key) for pages in due order; partial ones
     for the sweeper (scheduled records by sweep time) and the purge (finished records by
     expiry), which also gives the lateness sample (the records finished last). No index
-    of handled records by time: it cost a worker 20 us a message, measured.)"""
+    of handled records by time: it cost a worker 20 us a message, measured.)
+
+    `owner` and `lease_until`: a worker's claim held on the record itself (the record as
+    the claim: `SQLSchedule.claim`), indexed only while held (a handful of rows: the
+    deliveries in flight), so that a renewal or a release finds it by its owner."""
     i, b, k = dialect.int_type, dialect.blob_type, dialect.text_key
     return [
         f"""CREATE TABLE IF NOT EXISTS {table} (
@@ -118,6 +122,8 @@ def schema(table: str, dialect: Dialect) -> list[str]:
     body {b},
     content_type TEXT,
     headers TEXT,
+    owner TEXT,
+    lease_until {i},
     PRIMARY KEY (scope, key)
 )""",
         f"CREATE INDEX IF NOT EXISTS {table}_due ON {table} (scope, due_ms, key)",
@@ -126,6 +132,7 @@ def schema(table: str, dialect: Dialect) -> list[str]:
         "WHERE sweep_ms IS NOT NULL",
         f"CREATE INDEX IF NOT EXISTS {table}_expires ON {table} (expires_ms) "
         "WHERE expires_ms IS NOT NULL",
+        f"CREATE INDEX IF NOT EXISTS {table}_owner ON {table} (owner) WHERE owner IS NOT NULL",
     ]
 
 
@@ -234,43 +241,75 @@ class SQLSchedule:
         sets = ", ".join(f"{c.strip()} = ?" for c in (_COLUMNS + ", " + _PAYLOAD).split(",")[2:])
         # compare-and-set: the row is still the generation and state read before
         self._cas = q(
-            f"UPDATE {t} SET {sets} WHERE scope = ? AND key = ? AND generation = ? AND state = ?"
+            f"UPDATE {t} SET {sets}, owner = NULL, lease_until = NULL "
+            "WHERE scope = ? AND key = ? AND generation = ? AND state = ?"
         )
-        self._check = f"SELECT key, generation, state FROM {t} WHERE scope = ? AND key IN "
+        self._check = (
+            f"SELECT key, generation, state, message_id, owner, lease_until FROM {t} "
+            "WHERE scope = ? AND key IN "
+        )
+        self._owners = f"SELECT key, generation, owner FROM {t} WHERE scope = ? AND key IN "
+        # the record as the claim: taken, renewed and given back by its owner
+        self._claim = q(
+            f"UPDATE {t} SET owner = ?, lease_until = ? WHERE scope = ? AND key = ? "
+            "AND generation = ?"
+        )
+        self._renew_owner = q(
+            f"UPDATE {t} SET lease_until = ? WHERE owner = ? AND state = 'scheduled'"
+        )
+        self._release_owner = q(f"UPDATE {t} SET owner = NULL, lease_until = NULL WHERE owner = ?")
         self._dropped = q(
             f"UPDATE {t} SET dropped = dropped + 1, updated_ms = ? WHERE scope = ? AND key = ?"
         )
         live = "WHERE scope = ? AND key = ? AND generation = ? AND state IN ('scheduled', 'parked')"
         self._handled = q(
-            f"UPDATE {t} SET state = 'handled', updated_ms = ?, expires_ms = ?, sweep_ms = NULL "
-            + live
+            f"UPDATE {t} SET state = 'handled', updated_ms = ?, expires_ms = ?, sweep_ms = NULL, "
+            "owner = NULL, lease_until = NULL " + live
         )
         # PostgreSQL: many keys read through a join on an array, so that the plan walks
         # the primary key per key (an IN list let it scan the whole scope: 133 us a key)
         self._pg_keys: str | None = None
+        self._pg_check = self._pg_owners = self._pg_claim = ""
         if dialect.name == "postgres":
             columns = ", ".join(f"r.{c.strip()}" for c in (_COLUMNS + ", " + _PAYLOAD).split(","))
             self._pg_keys = (
                 f'FROM {t} AS r JOIN unnest(%s::text[]) AS u(k) ON r.key = u.k COLLATE "C" '
                 "WHERE r.scope = %s"
             )
-            self._pg_check = f"SELECT r.key, r.generation, r.state {self._pg_keys}"
+            self._pg_check = (
+                "SELECT r.key, r.generation, r.state, r.message_id, r.owner, r.lease_until "
+                f"{self._pg_keys}"
+            )
+            self._pg_owners = f"SELECT r.key, r.generation, r.owner {self._pg_keys}"
+            self._pg_claim = (
+                f"UPDATE {t} AS r SET owner = u.owner, lease_until = %s "
+                "FROM unnest(%s::text[], %s::text[], %s::bigint[], %s::text[], %s::text[]) "
+                "AS u(scope, key, generation, message_id, owner) "
+                'WHERE r.scope = u.scope COLLATE "C" AND r.key = u.key COLLATE "C" '
+                "AND r.generation = u.generation AND r.state = 'scheduled' "
+                "AND r.message_id = u.message_id "
+                "AND (r.owner IS NULL OR r.owner = u.owner OR r.lease_until <= %s) "
+                "RETURNING r.scope, r.key"
+            )
             self._pg_get_many = f"SELECT {columns} {self._pg_keys} FOR UPDATE OF r"
         # PostgreSQL: every handled row of a batch in one statement, from arrays
         self._handled_rows = (
             f"UPDATE {t} AS r SET state = 'handled', updated_ms = u.now, expires_ms = u.exp, "
-            "sweep_ms = NULL FROM unnest(%s::bigint[], %s::bigint[], %s::text[], %s::text[], "
+            "sweep_ms = NULL, owner = NULL, lease_until = NULL "
+            "FROM unnest(%s::bigint[], %s::bigint[], %s::text[], %s::text[], "
             "%s::bigint[]) AS u(now, exp, scope, key, generation) "
             'WHERE r.scope = u.scope COLLATE "C" AND r.key = u.key COLLATE "C" '
             "AND r.generation = u.generation AND r.state IN ('scheduled', 'parked')"
         )
         self._parked = q(
             f"UPDATE {t} SET state = 'parked', attempts = attempts + 1, last_error = ?, "
-            "updated_ms = ?, expires_ms = ?, sweep_ms = NULL " + live
+            "updated_ms = ?, expires_ms = ?, sweep_ms = NULL, owner = NULL, lease_until = NULL "
+            + live
         )
         self._retry = q(
             f"UPDATE {t} SET state = 'scheduled', attempts = attempts + 1, last_error = ?, "
-            "due_ms = ?, updated_ms = ?, expires_ms = NULL, sweep_ms = ? " + live
+            "due_ms = ?, updated_ms = ?, expires_ms = NULL, sweep_ms = ?, owner = NULL, "
+            "lease_until = NULL " + live
         )
         self._swept = q(
             f"UPDATE {t} SET republished = republished + 1, sweep_ms = ?, updated_ms = ? "
@@ -309,10 +348,14 @@ class SQLSchedule:
 
     # -- the worker's side: inside the store's own transaction ---------------------------
 
-    def check(self, refs: Sequence[Ref], now_ms: int) -> Program[list[Verdict | None]]:
-        """`rules.check` for each ref (one read per `_KEYS_PER_READ` keys), the dropped
-        copies counted on their records."""
-        found: dict[tuple[str, str], tuple[int, ScheduleState]] = {}
+    def read_rows(self, refs: Sequence[Ref], kind: str) -> list[tuple[str, Sql]]:
+        """The reads of `refs`' records (one per `_KEYS_PER_READ` keys of a scope), each
+        with its scope: kind "check" (generation, state, message_id, owner, lease_until)
+        or "owners" (generation, owner), after the key."""
+        select, pg_select = (
+            (self._check, self._pg_check) if kind == "check" else (self._owners, self._pg_owners)
+        )
+        reads: list[tuple[str, Sql]] = []
         by_scope: dict[str, list[str]] = {}
         for ref in refs:
             by_scope.setdefault(ref.scope, []).append(ref.key)
@@ -321,24 +364,165 @@ class SQLSchedule:
             for start in range(0, len(distinct), _KEYS_PER_READ):
                 chunk = distinct[start : start + _KEYS_PER_READ]
                 if self._pg_keys is not None:
-                    rows = yield Sql(self._pg_check, (list(chunk), scope), "all")
+                    reads.append((scope, Sql(pg_select, (list(chunk), scope), "all")))
                 else:
                     marks = ", ".join(["?"] * len(chunk))
-                    sql = self.dialect.sql(f"{self._check}({marks})")
-                    rows = yield Sql(sql, (scope, *chunk), "all")
-                for key, generation, state in rows:
-                    found[(scope, key)] = (int(generation), ScheduleState(state))
-        verdicts: list[Verdict | None] = []
+                    reads.append((scope, Sql(f"{select}({marks})", (scope, *chunk), "all")))
+        return reads
+
+    @staticmethod
+    def found(
+        reads: Sequence[tuple[str, Sql]], results: Sequence[Sequence[Any]]
+    ) -> dict[tuple[str, str], tuple[Any, ...]]:
+        """The rows of `read_rows`' reads by (scope, key)."""
+        found: dict[tuple[str, str], tuple[Any, ...]] = {}
+        for (scope, _), rows in zip(reads, results, strict=True):
+            for row in rows:
+                found[(scope, row[0])] = tuple(row[1:])
+        return found
+
+    def _rows_of(
+        self, refs: Sequence[Ref], kind: str
+    ) -> Program[dict[tuple[str, str], tuple[Any, ...]]]:
+        reads = self.read_rows(refs, kind)
+        results = []
+        for _, statement in reads:
+            results.append((yield statement))
+        return self.found(reads, results)
+
+    @staticmethod
+    def held_by(
+        finishes: Sequence[tuple[str, Update]], found: dict[tuple[str, str], tuple[Any, ...]]
+    ) -> list[bool]:
+        """For each (owner, update): whether `owner` holds the claim on the update's
+        record (its generation), from the "owners" rows: then the record is the claim,
+        and no guard row is written for the finish."""
+        result = []
+        for owner, update in finishes:
+            row = found.get((update.ref.scope, update.ref.key))
+            result.append(
+                row is not None and int(row[0]) == update.ref.generation and row[1] == owner
+            )
+        return result
+
+    def dropped(self, refs: Sequence[Ref], now_ms: int) -> Program[None]:
+        """Count a dropped copy (superseded or cancelled) on each ref's record."""
+        if refs:
+            rows = sorted((now_ms, r.scope, r.key) for r in refs)
+            yield Sql(self._dropped, sorted(rows, key=_row_key), many=True)
+
+    def claim_records(
+        self, claims: Sequence[tuple[str, Ref]], now_ms: int, lease_ms: int
+    ) -> tuple[str, Any] | None:
+        """PostgreSQL: one statement that holds each (owner, ref)'s claim on its record,
+        a compare-and-set on what `rules.claim_on_record` read (another transaction may
+        have changed the row since); it returns (scope, key) of the claims it made."""
+        if not claims:
+            return None
+        ordered = sorted(claims, key=lambda c: (c[1].scope, c[1].key))
+        return (
+            self._pg_claim,
+            (
+                now_ms + lease_ms,
+                [r.scope for _, r in ordered],
+                [r.key for _, r in ordered],
+                [r.generation for _, r in ordered],
+                [r.message_id for _, r in ordered],
+                [o for o, _ in ordered],
+                now_ms,
+            ),
+        )
+
+    def claim(
+        self,
+        claims: Sequence[tuple[str, str, Ref]],
+        now_ms: int,
+        lease_ms: int,
+        guarded: Callable[[Sequence[str]], Sql] | None = None,
+    ) -> Program[list[Verdict | str | None]]:
+        """The schedule's word on each (guard key, owner, ref) before its claim, and the
+        claim itself where the record can hold it (`rules.claim_on_record`): a Verdict
+        (drop or skip it; the dropped copies counted), RECORD_CLAIMED (its owner and
+        lease written on the record, no guard row), RECORD_BUSY (another owner's live
+        lease), or None: claim it on a guard row as usual.
+
+        `guarded(keys)` reads which of these guard keys have a live guard row (a claim,
+        a done-record or a tombstone written without the schedule): those are left to
+        the guard, whose row decides."""
+        found = yield from self._rows_of([c[2] for c in claims], "check")
+        answers: list[Verdict | str | None] = []
         drops: list[tuple[Any, ...]] = []
-        for ref in refs:
+        candidates: list[int] = []
+        for i, (_, owner, ref) in enumerate(claims):
             row = found.get((ref.scope, ref.key))
-            verdict = None if row is None else rules.check_state(row[0], row[1], ref.generation)
-            if verdict in (Verdict.SUPERSEDED, Verdict.CANCELLED):
-                drops.append((now_ms, ref.scope, ref.key))
-            verdicts.append(verdict)
+            if row is None:
+                answers.append(None)
+                continue
+            generation, state = int(row[0]), ScheduleState(row[1])
+            verdict = rules.check_state(generation, state, ref.generation)
+            if verdict is not None:
+                if verdict is not Verdict.HANDLED:
+                    drops.append((now_ms, ref.scope, ref.key))
+                answers.append(verdict)
+                continue
+            answers.append(None)
+            if rules.claim_on_record(
+                generation,
+                state,
+                row[2],
+                None,
+                None,
+                ref=ref,
+                owner=owner,
+                now_ms=now_ms,
+            ):
+                candidates.append(i)
+        if candidates and guarded is not None:
+            rows = yield guarded([claims[i][0] for i in candidates])
+            held = {r[0] for r in rows}
+            candidates = [i for i in candidates if claims[i][0] not in held]
+        writes: list[tuple[Any, ...]] = []
+        for i in candidates:
+            _, owner, ref = claims[i]
+            at = (ref.scope, ref.key)
+            row = found[at]
+            answer = rules.claim_on_record(
+                int(row[0]),
+                ScheduleState(row[1]),
+                row[2],
+                row[3],
+                row[4],
+                ref=ref,
+                owner=owner,
+                now_ms=now_ms,
+            )
+            answers[i] = answer
+            if answer == rules.RECORD_CLAIMED:
+                lease_until = now_ms + lease_ms
+                # a second copy of the key later in this batch finds it held
+                found[at] = (*row[:3], owner, lease_until)
+                writes.append((owner, lease_until, ref.scope, ref.key, ref.generation))
         if drops:
             yield Sql(self._dropped, sorted(drops, key=_row_key), many=True)
-        return verdicts
+        if writes:
+            yield Sql(self._claim, sorted(writes, key=lambda w: (w[2], w[3])), many=True)
+        return answers
+
+    def owned(self, finishes: Sequence[tuple[str, Update]]) -> Program[list[bool]]:
+        """`held_by`, read: whether each (owner, update)'s owner holds its record."""
+        found = yield from self._rows_of([u.ref for _, u in finishes], "owners")
+        return self.held_by(finishes, found)
+
+    def release_owners(self, owners: Sequence[str]) -> Program[None]:
+        """Give back the record claims these owners hold (a finish without an update:
+        the handler did not run, or its result writes nothing to the record)."""
+        if owners:
+            yield Sql(self._release_owner, [(o,) for o in sorted(owners)], many=True)
+
+    def renew_owner(self, owner: str, now_ms: int, lease_ms: int) -> Program[bool]:
+        """Extend `owner`'s claim on a record; False when it holds none."""
+        changed = yield Sql(self._renew_owner, (now_ms + lease_ms, owner), "rowcount")
+        return bool(changed == 1)
 
     def finish(self, updates: Sequence[Update], now_ms: int) -> Program[None]:
         """`rules.finish` for each update: one statement per kind, its rows in (scope,

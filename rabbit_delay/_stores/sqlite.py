@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from rabbit_delay._errors import ConfigError
 from rabbit_delay._idempotency.guard import (
     DEFAULT_PREFIX,
-    VERDICT_RESULT,
+    SCHEDULE_RESULT,
     ClaimItem,
     ClaimResult,
     FinishItem,
@@ -42,7 +42,7 @@ from rabbit_delay._schedule.records import (
     ScheduleRecord,
     ScheduleState,
 )
-from rabbit_delay._stores.sql_schedule import SQLITE, Program, SQLSchedule, run_sync
+from rabbit_delay._stores.sql_schedule import SQLITE, Program, Sql, SQLSchedule, run_sync
 
 T = TypeVar("T")
 
@@ -326,27 +326,52 @@ class SQLiteStore:
         lease_ms: int,
         retention_ms: int,
     ) -> tuple[list[Exception | None], list[ClaimResult | Exception]]:
-        """See `SchedulingStore.scheduled_batch`: one transaction. The finishes are
-        written as by `finish_many`, their schedule updates one statement per kind; the
-        schedule is read for every claim's ref at once, and the claims it does not
-        answer go to one multi-row claim."""
+        """See `SchedulingStore.scheduled_batch`: one transaction.
+
+        The record is the claim (docs/schedule.md): a claim whose ref names its record's
+        generation, still scheduled, is held on the record (`SQLSchedule.claim`), and its
+        finish updates the record alone; no guard row is written for it. The other
+        claims and finishes go to the guard's rows as by `finish_and_claim_many`, with
+        the schedule's updates and verdicts in the same transaction."""
         schedule = self._sql_schedule
+        prefix = self.prefix
+
+        def guarded(keys: Sequence[str]) -> Sql:  # the keys with a live guard row
+            marks = ",".join(["?"] * len(keys))
+            return Sql(
+                f"SELECT substr(key, {len(prefix) + 1}) FROM {self.table} "
+                f"WHERE key IN ({marks}) AND expires_at > ?",
+                (*(prefix + k for k in keys), now_ms),
+                "all",
+            )
 
         def both() -> tuple[list[Exception | None], list[ClaimResult | Exception]]:
             cursor = self._conn.cursor()
             finished: list[Exception | None] = [None] * len(finishes)
             if finishes:
-                self._finish_rows([f[:3] for f in finishes], now_ms, retention_ms)
-                updates = [f[3] for f in finishes if f[3] is not None]
+                with_update = [(i, f[1], f[3]) for i, f in enumerate(finishes) if f[3] is not None]
+                owned = run_sync(cursor, schedule.owned([(o, u) for _, o, u in with_update]))
+                on_record = {w[0] for w, mine in zip(with_update, owned, strict=True) if mine}
+                rows = [f[:3] for i, f in enumerate(finishes) if i not in on_record]
+                if rows:
+                    self._finish_rows(rows, now_ms, retention_ms)
+                    # a finish without an update may give back a record's claim
+                    releases = [f[1] for f in finishes if f[3] is None]
+                    if releases:
+                        run_sync(cursor, schedule.release_owners(releases))
+                updates = [u for _, _, u in with_update]
                 if updates:
                     run_sync(cursor, schedule.finish(updates, now_ms))
             claimed: list[ClaimResult | Exception] = [ClaimResult.CLAIMED] * len(claims)
-            refs = [(i, c[2]) for i, c in enumerate(claims) if c[2] is not None]
-            verdicts = run_sync(cursor, schedule.check([r for _, r in refs], now_ms))
+            refs = [(i, (c[0], c[1], c[2])) for i, c in enumerate(claims) if c[2] is not None]
+            answers = run_sync(
+                cursor,
+                schedule.claim([r for _, r in refs], now_ms, lease_ms, guarded),
+            )
             answered = set()
-            for (i, _), verdict in zip(refs, verdicts, strict=True):
-                if verdict is not None:
-                    claimed[i] = VERDICT_RESULT[verdict]
+            for (i, _), answer in zip(refs, answers, strict=True):
+                if answer is not None:
+                    claimed[i] = SCHEDULE_RESULT[answer]
                     answered.add(i)
             rest = [i for i in range(len(claims)) if i not in answered]
             if rest:
@@ -670,13 +695,19 @@ class SQLiteStore:
     def _complete(self, key: str, owner: str, now_ms: int, retention_ms: int) -> None:
         args = (self.prefix + key, owner, now_ms + retention_ms, now_ms)
         self._conn.execute(self._complete_sql, args)
+        run_sync(self._conn.cursor(), self._sql_schedule.release_owners([owner]))
 
     def _release(self, key: str, owner: str) -> None:
         self._conn.execute(self._release_sql, (self.prefix + key, owner))
+        run_sync(self._conn.cursor(), self._sql_schedule.release_owners([owner]))
 
     def _renew(self, key: str, owner: str, now_ms: int, lease_ms: int) -> bool:
+        """The guard row's lease, or else the record's (the record as the claim)."""
         args = (self.prefix + key, owner, now_ms + lease_ms)
-        return bool(self._conn.execute(self._renew_sql, args).rowcount == 1)
+        if self._conn.execute(self._renew_sql, args).rowcount == 1:
+            return True
+        program = self._sql_schedule.renew_owner(owner, now_ms, lease_ms)
+        return run_sync(self._conn.cursor(), program)
 
     def _cancel(self, key: str, now_ms: int, retention_ms: int) -> None:
         self._conn.execute(self._cancel_sql, (self.prefix + key, now_ms + retention_ms))

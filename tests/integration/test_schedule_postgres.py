@@ -175,7 +175,7 @@ def test_the_schedule_table_is_created_on_first_use(url: str, schema: str) -> No
             (schema, f"{TABLE}_schedule"),
         )
         suffixes = {name.removeprefix(f"{TABLE}_schedule_") for (name,) in indexes}
-        assert suffixes == {"pkey", "due", "queue", "sweep", "expires"}
+        assert suffixes == {"pkey", "due", "queue", "sweep", "expires", "owner"}
         collations = sql(
             url,
             "SELECT column_name, collation_name FROM information_schema.columns "

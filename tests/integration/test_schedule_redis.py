@@ -89,6 +89,7 @@ def key_prefix(redis_url: str) -> Iterator[str]:
 
 class TestRedisSchedule(ScheduleContract):
     shared_backend = False  # SyncStoreAsAsync runs each call inline: no race to see
+    caller_clock = False
 
     @pytest.fixture
     def new_store(self, redis_url: str, key_prefix: str) -> Iterator[NewStore]:
@@ -104,6 +105,8 @@ class TestRedisSchedule(ScheduleContract):
 
 
 class TestAsyncRedisSchedule(ScheduleContract):
+    caller_clock = False
+
     @pytest.fixture
     async def new_store(self, redis_url: str, key_prefix: str) -> AsyncIterator[NewStore]:
         made: list[AsyncRedisStore] = []

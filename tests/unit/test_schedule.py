@@ -125,3 +125,66 @@ def test_the_sql_stores_new_row_is_the_rules_new_record() -> None:
         _placed, record = rules.place(None, entry, T0)
         assert record is not None
         assert new_row(entry, T0) == _row(record)
+
+
+def test_sqlite_holds_a_scheduled_claim_on_the_record_and_writes_no_guard_row(
+    tmp_path: Path,
+) -> None:
+    """The record as the claim: a delivery of the record's generation, its guard key made
+    of its message_id, is claimed, renewed and finished on the record; the guard table
+    gets no row. A consumer key function's key (not the message_id's) still gets one."""
+    import sqlite3
+
+    from rabbit_delay._idempotency.guard import ClaimResult
+    from rabbit_delay._schedule.records import Entry, Finished, OnConflict, Payload, Ref, Update
+
+    path = tmp_path / "idem.sqlite3"
+    store = SQLiteStore(path, prefix="p:")
+    try:
+        payload = Payload(b"{}", "application/json", {})
+        entries = [
+            Entry("s", f"k{i}", "orders", T0, f"m{i}", payload, OnConflict.REPLACE, T0 + 60_000)
+            for i in range(3)
+        ]
+        store.schedule.place_many(entries, now_ms=T0)
+        refs = [Ref("s", f"k{i}", 1, f"m{i}") for i in range(2)]
+        custom = Ref("s", "k2", 1, None)  # the consumer has a key function
+        _, claimed = store.scheduled_batch(
+            [],
+            [("q:m0", "w0", refs[0]), ("q:m1", "w1", refs[1]), ("order-2", "w2", custom)],
+            now_ms=T0,
+            lease_ms=30_000,
+            retention_ms=600_000,
+        )
+        assert claimed == [ClaimResult.CLAIMED] * 3
+        assert store.renew("q:m0", "w0", now_ms=T0 + 10_000, lease_ms=30_000) is True
+
+        def rows(sql: str) -> list[Any]:
+            conn = sqlite3.connect(path)
+            try:
+                return conn.execute(sql).fetchall()
+            finally:
+                conn.close()
+
+        guard = "SELECT key, state FROM rabbit_delay_idempotency ORDER BY key"
+        held = "SELECT key, owner, lease_until FROM rabbit_delay_idempotency_schedule "
+        assert rows(guard) == [("p:order-2", "claimed")]
+        assert rows(held + "WHERE owner IS NOT NULL ORDER BY key") == [
+            ("k0", "w0", T0 + 40_000),
+            ("k1", "w1", T0 + 30_000),
+        ]
+        done = [
+            ("q:m0", "w0", True, Update(refs[0], Finished.HANDLED, 600_000)),
+            ("q:m1", "w1", False, None),  # released: the handler never started
+            ("order-2", "w2", True, Update(custom, Finished.HANDLED, 600_000)),
+        ]
+        finished, _ = store.scheduled_batch(
+            done, [], now_ms=T0 + 20_000, lease_ms=30_000, retention_ms=600_000
+        )
+        assert finished == [None, None, None]
+        assert rows(guard) == [("p:order-2", "done")]
+        assert rows(held + "WHERE owner IS NOT NULL") == []
+        states = "SELECT key, state FROM rabbit_delay_idempotency_schedule ORDER BY key"
+        assert rows(states) == [("k0", "handled"), ("k1", "scheduled"), ("k2", "handled")]
+    finally:
+        store.close()
