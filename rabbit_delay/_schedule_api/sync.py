@@ -19,11 +19,11 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Self
 
 from rabbit_delay._durations import DurationLike
-from rabbit_delay._envelope import now_ms
-from rabbit_delay._errors import ConfigError, StoreError
+from rabbit_delay._errors import ConfigError
 from rabbit_delay._idempotency.guard import run
-from rabbit_delay._schedule.operations import ScheduleCore, SweepResult, cursor_of, superseded_or
+from rabbit_delay._schedule.operations import SweepResult, cursor_of, superseded_or
 from rabbit_delay._schedule.records import ScheduleRecord, ScheduleState
+from rabbit_delay._schedule_api.base import ScheduleBase
 from rabbit_delay._stores.factory import store_from_config
 from rabbit_delay._topology.model import Topology
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from rabbit_delay._sync.publisher import Publisher
 
 
-class Schedule:
+class Schedule(ScheduleBase):
     """The schedule of `topology` (which needs a [schedule] table).
 
     Records live in the topology's idempotency store (`[idempotency]`: SQLite next to
@@ -40,6 +40,9 @@ class Schedule:
     raises StoreError when the store fails, ConfigError for bad arguments.
     """
 
+    open_store = staticmethod(store_from_config)
+    publisher: Publisher | None
+
     def __init__(
         self,
         topology: Topology,
@@ -47,37 +50,15 @@ class Schedule:
         store: Any = None,
         publisher: Publisher | None = None,
     ) -> None:
-        self.core = ScheduleCore(topology)
-        self.topology = topology
-        self.publisher = publisher
-        self._store = store
-        self._own_store: Any = None
+        super().__init__(topology, store=store, publisher=publisher)
 
     # -- the store -----------------------------------------------------------------------
-
-    def _book(self) -> Any:
-        if self.publisher is not None and self._store is None:
-            return self.publisher.schedule_book()
-        if self._store is None:
-            try:
-                self._own_store = self._store = store_from_config(self.topology.idempotency)
-            except Exception as exc:
-                raise StoreError(f"opening the schedule's store failed: {exc!r}") from exc
-        book = getattr(self._store, "schedule", None)
-        if book is None:
-            raise ConfigError(f"the store {type(self._store).__name__} keeps no schedule")
-        return book
-
-    def _now(self) -> int:
-        return self.publisher.now() if self.publisher is not None else now_ms()
 
     def _call(self, doing: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
-            raise StoreError(
-                f"the schedule's store failed {doing}: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise self._failed(doing, exc) from exc
 
     def close(self) -> None:
         """Close the store this schedule opened (none is opened through a publisher)."""

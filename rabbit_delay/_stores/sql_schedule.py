@@ -238,6 +238,16 @@ class SQLSchedule:
             f"INSERT INTO {t} ({_COLUMNS}, {_PAYLOAD}) VALUES ({marks}) "
             "ON CONFLICT (scope, key) DO NOTHING"
         )
+        # PostgreSQL: a batch of new rows in one statement, a column per array (an
+        # executemany sends and runs one INSERT per row)
+        types = ["text", "text", "bigint", "text", "text", "bigint", "text", "bigint", "bigint"]
+        types += ["bigint", "text", "bigint", "bigint", "bigint", "bigint", "bigint", "bytea"]
+        types += ["text", "text"]
+        arrays = ", ".join(f"%s::{kind}[]" for kind in types)
+        self._pg_insert_rows = (
+            f"INSERT INTO {t} ({_COLUMNS}, {_PAYLOAD}) SELECT * FROM unnest({arrays}) "
+            "ON CONFLICT (scope, key) DO NOTHING"
+        )
         sets = ", ".join(f"{c.strip()} = ?" for c in (_COLUMNS + ", " + _PAYLOAD).split(",")[2:])
         # compare-and-set: the row is still the generation and state read before
         self._cas = q(
@@ -575,7 +585,11 @@ class SQLSchedule:
             # row existed read and place them one by one below.
             yield Sql("SAVEPOINT rd_new")
             rows = [new_row(e, now_ms) for e in sorted(entries, key=_at)]
-            inserted = yield Sql(self._insert, rows, "rowcount", many=True)
+            if self._pg_keys is not None and len(rows) > 1:
+                columns = [list(column) for column in zip(*rows, strict=True)]
+                inserted = yield Sql(self._pg_insert_rows, columns, "rowcount")
+            else:
+                inserted = yield Sql(self._insert, rows, "rowcount", many=True)
             if inserted == len(rows):
                 yield Sql("RELEASE SAVEPOINT rd_new")
                 return [Placed(Placement.CREATED, 1, e.message_id, e.due_ms) for e in entries]
