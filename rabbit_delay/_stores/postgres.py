@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -525,6 +525,67 @@ class _ScheduledBatch:
         return pipelined(program()), _Request(statements, read)
 
 
+_ScheduledResult = tuple[list[Exception | None], list[ClaimResult | Exception]]
+
+
+class _Failed(Exception):
+    """A scheduled batch's failure thrown into `_scheduled_plan`: the driver's error,
+    and whether the connection was lost with it."""
+
+    def __init__(self, error: Exception, lost: bool) -> None:
+        super().__init__(error)
+        self.error = error
+        self.lost = lost
+
+
+def _scheduled_plan(
+    sql: _Statements,
+    schedule: SQLSchedule,
+    finishes: Sequence[ScheduledFinish],
+    claims: Sequence[ScheduledClaim],
+    now_ms: int,
+    lease_ms: int,
+    retention_ms: int,
+) -> Generator[Callable[[], _ScheduledBatch], Any, _ScheduledResult]:
+    """`scheduled_batch` for both stores, as the batches to send (sans-I/O): the whole
+    batch in one transaction; when it fails (the driver throws the error in, with
+    whether the connection was lost), every item with a lost connection, else each item
+    alone, its error in its slot."""
+    valid_f, slots_f = _checked(finishes)
+    valid_c, slots_c = _checked(claims)
+    chosen_f = [finishes[i] for i in valid_f]
+    chosen_c = [claims[i] for i in valid_c]
+    if not chosen_f and not chosen_c:  # nothing valid: TypeErrors only
+        return slots_f, _fill(slots_c, [], [])
+    plan = partial(
+        _ScheduledBatch,
+        sql,
+        schedule,
+        now_ms=now_ms,
+        lease_ms=lease_ms,
+        retention_ms=retention_ms,
+    )
+    finished: list[Exception | None] = []
+    claimed: list[ClaimResult | Exception] = []
+    try:
+        done, answered = yield partial(plan, chosen_f, chosen_c)
+        finished, claimed = list(done), list(answered)
+    except _Failed as failed:
+        if failed.lost:  # the connection is lost: every item with it
+            return [failed.error] * len(finishes), [failed.error] * len(claims)
+        for f in chosen_f:
+            try:
+                finished.append((yield partial(plan, [f], []))[0][0])
+            except _Failed as one:
+                finished.append(one.error)
+        for c in chosen_c:
+            try:
+                claimed.append((yield partial(plan, [], [c]))[1][0])
+            except _Failed as one:
+                claimed.append(one.error)
+    return _fill(slots_f, valid_f, finished), _fill(slots_c, valid_c, claimed)
+
+
 @dataclass
 class _Attempt:
     """One sending of a transaction. Once its COMMIT (or the pipeline's Sync) may have
@@ -781,41 +842,22 @@ class PostgresStore(_Base):
         two when a claim carries a Ref (the schedule's answer decides what is claimed:
         `_ScheduledBatch`). When a statement fails nothing was written, and each item
         runs alone, its error in its slot; a lost connection fails every item."""
-        valid_f, slots_f = _checked(finishes)
-        valid_c, slots_c = _checked(claims)
-        chosen_f = [finishes[i] for i in valid_f]
-        chosen_c = [claims[i] for i in valid_c]
-        if not chosen_f and not chosen_c:  # nothing valid: TypeErrors only
-            return slots_f, _fill(slots_c, [], [])
-        plan = partial(
-            _ScheduledBatch,
-            self._sql,
-            self._schedule_sql,
-            now_ms=now_ms,
-            lease_ms=lease_ms,
-            retention_ms=retention_ms,
+        plan = _scheduled_plan(
+            self._sql, self._schedule_sql, finishes, claims, now_ms, lease_ms, retention_ms
         )
-        finished: list[Exception | None]
-        claimed: list[ClaimResult | Exception]
         with self._lock:
             try:
-                done, answered = self._scheduled(partial(plan, chosen_f, chosen_c))
-                finished, claimed = list(done), list(answered)
-            except self._error as exc:
-                if self._conn is None:  # the connection is lost: every item with it
-                    return [exc] * len(finishes), [exc] * len(claims)
-                finished, claimed = [], []
-                for f in chosen_f:
+                request = next(plan)
+                while True:
                     try:
-                        finished.append(self._scheduled(partial(plan, [f], []))[0][0])
-                    except self._error as one:
-                        finished.append(one)
-                for c in chosen_c:
-                    try:
-                        claimed.append(self._scheduled(partial(plan, [], [c]))[1][0])
-                    except self._error as one:
-                        claimed.append(one)
-        return _fill(slots_f, valid_f, finished), _fill(slots_c, valid_c, claimed)
+                        reply: Any = self._scheduled(request)
+                    except self._error as exc:
+                        request = plan.throw(_Failed(exc, self._conn is None))
+                    else:
+                        request = plan.send(reply)
+            except StopIteration as stop:
+                result: _ScheduledResult = stop.value
+                return result
 
     def run_schedule(self, make: Callable[[], Program[T]], *, write: bool) -> T:
         """Run the schedule program `make()` (`SQLSchedule`): with `write`, in a
@@ -1102,41 +1144,22 @@ class AsyncPostgresStore(_Base):
         retention_ms: int,
     ) -> tuple[list[Exception | None], list[ClaimResult | Exception]]:
         """See `PostgresStore.scheduled_batch`."""
-        valid_f, slots_f = _checked(finishes)
-        valid_c, slots_c = _checked(claims)
-        chosen_f = [finishes[i] for i in valid_f]
-        chosen_c = [claims[i] for i in valid_c]
-        if not chosen_f and not chosen_c:  # nothing valid: TypeErrors only
-            return slots_f, _fill(slots_c, [], [])
-        plan = partial(
-            _ScheduledBatch,
-            self._sql,
-            self._schedule_sql,
-            now_ms=now_ms,
-            lease_ms=lease_ms,
-            retention_ms=retention_ms,
+        plan = _scheduled_plan(
+            self._sql, self._schedule_sql, finishes, claims, now_ms, lease_ms, retention_ms
         )
-        finished: list[Exception | None]
-        claimed: list[ClaimResult | Exception]
         async with self._locked():
             try:
-                done, answered = await self._scheduled(partial(plan, chosen_f, chosen_c))
-                finished, claimed = list(done), list(answered)
-            except self._error as exc:
-                if self._conn is None:  # the connection is lost: every item with it
-                    return [exc] * len(finishes), [exc] * len(claims)
-                finished, claimed = [], []
-                for f in chosen_f:
+                request = next(plan)
+                while True:
                     try:
-                        finished.append((await self._scheduled(partial(plan, [f], [])))[0][0])
-                    except self._error as one:
-                        finished.append(one)
-                for c in chosen_c:
-                    try:
-                        claimed.append((await self._scheduled(partial(plan, [], [c])))[1][0])
-                    except self._error as one:
-                        claimed.append(one)
-        return _fill(slots_f, valid_f, finished), _fill(slots_c, valid_c, claimed)
+                        reply: Any = await self._scheduled(request)
+                    except self._error as exc:
+                        request = plan.throw(_Failed(exc, self._conn is None))
+                    else:
+                        request = plan.send(reply)
+            except StopIteration as stop:
+                result: _ScheduledResult = stop.value
+                return result
 
     async def run_schedule(self, make: Callable[[], Program[T]], *, write: bool) -> T:
         """See `PostgresStore.run_schedule`."""
