@@ -307,10 +307,7 @@ def _ref(
     keeping = consumer.schedule
     if keeping is None or not headers:
         return None
-    ref = ref_of(keeping.scope, headers.get(H_KEY), headers.get(H_GENERATION))
-    if ref is None or not message_id:
-        return ref
-    return Ref(ref.scope, ref.key, ref.generation, message_id)
+    return ref_of(keeping.scope, headers.get(H_KEY), headers.get(H_GENERATION), message_id)
 
 
 def _update(consumer: Consumer, ref: Ref | None, action: Action, now_ms: int) -> Update | None:

@@ -277,9 +277,12 @@ def hold_ms(topology_retry_span_ms: int, grace_ms: int, lease_ms: int) -> int:
     return topology_retry_span_ms + grace_ms + lease_ms
 
 
-def ref_of(scope: str, key: object, generation: object) -> Ref | None:
+def ref_of(
+    scope: str, key: object, generation: object, message_id: str | None = None
+) -> Ref | None:
     """The Ref of a delivery's rd-key / rd-generation headers (None: absent or not
-    readable: the delivery is handled as an unscheduled one)."""
+    readable: the delivery is handled as an unscheduled one), with the `message_id` its
+    guard key is made of, if it is (`Ref.message_id`)."""
     if key is None or generation is None:
         return None
     if isinstance(key, bytes | bytearray):
@@ -292,4 +295,4 @@ def ref_of(scope: str, key: object, generation: object) -> Ref | None:
         return None
     if gen < 1:
         return None
-    return Ref(scope, key, gen)
+    return Ref(scope, key, gen, message_id or None)
