@@ -85,6 +85,8 @@ from rabbit_delay._schedule.records import (
 )
 
 T = TypeVar("T")
+# One encoder for every record's headers (json.dumps with arguments builds one per call).
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
 
 # One script call: the registered script (sync or asyncio), its keys, its arguments.
 Call = tuple[Any, list[str], list[Any]]
@@ -680,7 +682,7 @@ class ScheduleOps:
         args: list[Any] = [self.prefix, now_ms, max(PIGGYBACK, len(entries))]
         for e in entries:
             keys.append(self.record_key(e.scope, e.key))
-            headers = json.dumps(dict(e.payload.headers), separators=(",", ":"))
+            headers = _COMPACT.encode(dict(e.payload.headers))
             args += [e.scope, escape(e.scope), e.key, e.queue, e.due_ms, e.message_id]
             args += [e.on_conflict.value, e.sweep_ms, e.payload.body, e.payload.content_type]
             args.append(headers)

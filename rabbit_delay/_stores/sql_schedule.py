@@ -193,8 +193,13 @@ def new_row(entry: Entry, now_ms: int) -> tuple[Any, ...]:
     )
 
 
+# One encoder for every record (json.dumps with arguments builds one per call: a third of
+# recording a message's cost, measured).
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
+
 def _headers_json(headers: Any) -> str:
-    return json.dumps(dict(headers), separators=(",", ":")) if headers else "{}"
+    return _COMPACT.encode(dict(headers)) if headers else "{}"
 
 
 def _row(record: ScheduleRecord) -> tuple[Any, ...]:
