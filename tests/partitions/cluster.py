@@ -597,6 +597,30 @@ class PartitionCluster:
         self.members[0].ctl("eval", f"[{calls}].", timeout=120)
         return {q: t.node_name for q, (_c, t) in moves.items()}
 
+    def dead_letters_held(self, queues: Sequence[str]) -> dict[str, int]:
+        """Queue -> the dead letters its leader still holds (dead-lettered, not confirmed
+        by the target: rabbit_fifo's num_discarded + num_discard_checked_out), asked of
+        each quorum queue's leader itself: unlike the management API's messages_dlx,
+        which RabbitMQ 3.10 stops reporting for the queues of a node after a partition.
+        -1 for a queue its leader did not answer for; queues without a leader left out."""
+        leaders = self.leaders()
+        asked = [(q, leaders[q]) for q in queues if leaders.get(q)]
+        if not asked:
+            return {}
+        pairs = ", ".join(f"{{'%2F_{q}', '{n}'}}" for q, n in asked)
+        expr = (
+            "[try {ok, {_, O}, _} = rpc:call(N, ra, local_query, [{R, N}, "
+            "fun rabbit_fifo:overview/1], 10000), maps:get(num_discarded, O, 0) + "
+            "maps:get(num_discard_checked_out, O, 0) catch _:_ -> -1 end "
+            f"|| {{R, N}} <- [{pairs}]]."
+        )
+        for m in self.members:
+            with contextlib.suppress(HarnessError, subprocess.TimeoutExpired):
+                out = " ".join(m.ctl("eval", expr, timeout=120).split()).strip("[] ")
+                counts = [int(x) for x in out.split(",") if x.strip()]
+                return {q: n for (q, _), n in zip(asked, counts, strict=True)}
+        return {q: -1 for q, _ in asked}
+
     def leaders(self) -> dict[str, str]:
         """Queue name -> the node leading it (quorum queues), as a running member says."""
         for m in self.members:
