@@ -77,6 +77,7 @@ class Outcome:
     status_no_figures: list[str] = field(default_factory=list)
     # schedule runs: the most records `status` would have called overdue, polled every 2 s
     max_overdue: int = 0
+    partitioned_after_heal: int = 0  # 3.x: Mnesia still split after the network healed
     worker_stats: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -316,6 +317,7 @@ def run_partitions(
         status_dead_letters=seen["dead_letters"],
         status_no_figures=seen["no_figures"],
         max_overdue=poll.max if poll is not None else 0,
+        partitioned_after_heal=cluster.partitioned_after_heal,
     )
 
 
