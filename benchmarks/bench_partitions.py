@@ -168,7 +168,11 @@ def main() -> int:
                         print(f"{kind} run {n + 1}: {outcome.summary()}", flush=True)
         finally:
             cluster.cleanup()
-    left = leftovers()
+    # this run's nets only: another run (another --net) may be going on beside it
+    mine = [f"-{args.net + i}-" for i in range(len(versions))]
+    mine += [f"br{args.net + i}" for i in range(len(versions))]
+    mine += [f"v{args.net + i}-" for i in range(len(versions))]
+    left = [x for x in leftovers() if any(m in x for m in mine)]
     if not args.json:
         print()
         print(table(rows))

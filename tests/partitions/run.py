@@ -198,6 +198,8 @@ def run_partitions(
 ) -> Outcome:
     """The workload under faults of kind `fault` for `duration_s`; the checker's verdict."""
     wl = Workload(cluster.urls, workdir / "guard.sqlite", rate=rate, schedule=schedule)
+    # the cluster counts for its life; the outcome counts this run's
+    restarts_before, split_before = cluster.restarts_after_heal, cluster.partitioned_after_heal
     wl.declare()
     windows: list[Window] = []
     poll: OverduePoll | None = None
@@ -229,7 +231,10 @@ def run_partitions(
         healing = time.monotonic()
         cluster.recover()
         recover_s = time.monotonic() - healing
-        log(f"one cluster again after {recover_s:.1f}s (restarts {cluster.restarts_after_heal})")
+        log(
+            f"one cluster again after {recover_s:.1f}s (restarts "
+            f"{cluster.restarts_after_heal - restarts_before})"
+        )
         wl.stop_publishing()
         settling = time.monotonic()
         settled = wl.wait_settled(settle_timeout_s)
@@ -299,7 +304,7 @@ def run_partitions(
         duration_s=duration_s,
         verdict=verdict,
         windows=windows,
-        restarts_after_heal=cluster.restarts_after_heal,
+        restarts_after_heal=cluster.restarts_after_heal - restarts_before,
         recover_s=recover_s,
         settle_s=settle_s,
         settled=settled,
@@ -317,7 +322,7 @@ def run_partitions(
         status_dead_letters=seen["dead_letters"],
         status_no_figures=seen["no_figures"],
         max_overdue=poll.max if poll is not None else 0,
-        partitioned_after_heal=cluster.partitioned_after_heal,
+        partitioned_after_heal=cluster.partitioned_after_heal - split_before,
     )
 
 
