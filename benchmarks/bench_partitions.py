@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import tempfile
 import time
@@ -37,18 +39,33 @@ from partitions.run import KINDS, run_partitions
 NET_BASE = 20  # 10.23.20.0/24 and up: never the tests' nets
 
 
+def label(row: dict[str, Any]) -> str:
+    """'RabbitMQ 3.10.8', with its cluster_partition_handling when not pause_minority."""
+    handling = row.get("partition_handling") or "pause_minority"
+    major = str(row["version"]).split(".")[0]
+    extra = f" ({handling})" if major == "3" and handling != "pause_minority" else ""
+    return f"RabbitMQ {row['version']}{extra}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    """The markdown table of the runs, one line per version and fault kind."""
+    """The markdown table of the runs, one line per version, fault kind and recovery.
+
+    "stalled, recovered by": dead letters missing at the drain deadline that arrived
+    after the buffers' leadership moved (`leadership`), or, in a run with [schedule]
+    (`sweeper`), the messages a sweeper copy settled first; "held at the end": the dead
+    letters the buffers' leaders still held, unconfirmed, when the run ended.
+    """
     head = (
         "| version | fault | runs | published | confirmed | handled | parked | lost | "
         "duplicates | unexpected | early | stuck | lateness due in a fault p50 / p99 / max "
-        "| stalled, sent again |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| stalled, recovered by | held at the end |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, str, bool], list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((r["version"], r["fault"]), []).append(r)
+        groups.setdefault((label(r), r["fault"], bool(r.get("schedule"))), []).append(r)
     lines = []
-    for (version, fault), runs in groups.items():
+    for (version, fault, schedule), runs in groups.items():
         v = [r["verdict"] for r in runs]
 
         def total(key: str, v: list[dict[str, Any]] = v) -> int:
@@ -58,14 +75,18 @@ def table(rows: list[dict[str, Any]]) -> str:
             values = [x[key] for x in v if x[key] is not None]
             return f"{max(values) / 1000:.1f} s" if values else "-"
 
-        stalled = sum(int(r["unstalled"]) for r in runs)
+        if schedule:
+            recovered = f"{sum(int(r.get('settled_by_sweeper', 0)) for r in runs)} sweeper"
+        else:
+            recovered = f"{sum(int(r['unstalled']) for r in runs)} leadership"
+        held = sum(sum(max(n, 0) for n in r.get("held_dead_letters", {}).values()) for r in runs)
         lines.append(
             f"| {version} | {fault} | {len(runs)} | {total('published')} | "
             f"{total('confirmed')} | {total('handled')} | {total('parked')} | "
             f"**{total('lost')}** | {total('duplicates')} | {total('unexpected')} | "
             f"{total('early')} | {total('stuck')} | {worst('fault_lateness_p50_ms')} / "
             f"{worst('fault_lateness_p99_ms')} / {worst('fault_lateness_max_ms')} | "
-            f"{stalled} |"
+            f"{recovered} | {held} |"
         )
     return head + "\n".join(lines) + "\n"
 
@@ -80,10 +101,23 @@ def main() -> int:
     parser.add_argument("--heal", type=float, default=10.0, help="seconds between faults")
     parser.add_argument("--rate", type=float, default=30.0, help="msg/s per publisher")
     parser.add_argument("--partition-handling", default="pause_minority", help="3.x only")
+    parser.add_argument(
+        "--schedule",
+        action="store_true",
+        help="the workload with [schedule]: its sweeper recovers stalled messages, no "
+        "leadership moves",
+    )
+    parser.add_argument(
+        "--net", type=int, default=NET_BASE, help="the first 10.23.N.0/24 (one per version)"
+    )
     parser.add_argument("--quick", action="store_true", help="one kind, host, 20 s")
     parser.add_argument("--json", action="store_true", help="JSON lines on stdout")
     parser.add_argument("--out", type=Path, help="append the JSON lines to this file")
     args = parser.parse_args()
+    # SIGTERM (and SIGINT, which a shell's background job ignores) end the run through
+    # its finally blocks: every cluster is removed before the process exits
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     reason = unavailable_reason()
     if reason is not None:
         print(f"bench_partitions: {reason}", file=sys.stderr)
@@ -98,7 +132,7 @@ def main() -> int:
         conf = ["consumer_disconnected_timeout = 5000"] if version == "4.3" else []
         cluster = PartitionCluster(
             version,
-            net=NET_BASE + i,
+            net=args.net + i,
             partition_handling=args.partition_handling,
             conf=conf,
         )
@@ -117,9 +151,12 @@ def main() -> int:
                             fault_s=args.fault,
                             heal_s=args.heal,
                             rate=args.rate,
+                            schedule=args.schedule,
                             log=log,
                         )
                     row = outcome.as_dict()
+                    row["partition_handling"] = args.partition_handling
+                    row["load"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
                     rows.append(row)
                     line = json.dumps(row, default=str)
                     if args.out:
@@ -131,7 +168,11 @@ def main() -> int:
                         print(f"{kind} run {n + 1}: {outcome.summary()}", flush=True)
         finally:
             cluster.cleanup()
-    left = leftovers()
+    # this run's nets only: another run (another --net) may be going on beside it
+    mine = [f"-{args.net + i}-" for i in range(len(versions))]
+    mine += [f"br{args.net + i}" for i in range(len(versions))]
+    mine += [f"v{args.net + i}-" for i in range(len(versions))]
+    left = [x for x in leftovers() if any(m in x for m in mine)]
     if not args.json:
         print()
         print(table(rows))

@@ -170,6 +170,7 @@ def status(
     Exit code 0; 3 with --check when something needs a human; 1 on error.
     """
     from rabbit_delay._ops.status.execute import read_status
+    from rabbit_delay._ops.status.rules import DEAD_LETTER_RECHECK_S
 
     if watch and as_json:
         opt.fail("--watch redraws a table for people; --json is for scripts: give one of them")
@@ -184,7 +185,12 @@ def status(
 
         def read() -> Status:
             return read_status(
-                topology, urls, management_url=management_url, no_management=no_management
+                topology,
+                urls,
+                management_url=management_url,
+                no_management=no_management,
+                # --watch refreshes every few seconds: it shows pending dead letters again
+                recheck_s=0 if watch else DEAD_LETTER_RECHECK_S,
             )
 
         if watch:

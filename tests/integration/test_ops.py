@@ -27,6 +27,7 @@ from rabbit_delay._broker import BrokerInfo
 from rabbit_delay._cli.app import app
 from rabbit_delay._cli.status import EXIT_ATTENTION
 from rabbit_delay._envelope import JSON
+from rabbit_delay._io.management import get_json
 from rabbit_delay._urls import MANAGEMENT_URL_ENV, URL_ENV, ManagementEndpoint
 from rabbit_delay.sync import Publisher, connected, declare
 
@@ -354,6 +355,60 @@ def _age_and_stuck(ops: Ops, broker_info: BrokerInfo, queue_type: str) -> None:
     reader.close()
     # In order, and as if never looked at: not redelivered, no delivery counted.
     assert got == [("old", False, 0), ("new", False, 0)]
+
+
+def test_status_flags_dead_letters_that_stall_in_a_buffer_and_overdue_scheduled_messages(
+    make_topology: MakeTopology, tmp_path: Path, broker_url: str, management: ManagementEndpoint
+) -> None:
+    """A stall made on purpose: the 1s buffer's dead-letter exchange is deleted, so its
+    at-least-once dead letters cannot be forwarded and stay in the buffer, in neither
+    ready nor unacked (`messages_dlx`): what RabbitMQ 3.10 does after a partition
+    (docs/reliability.md#network-partitions). `status --check` flags the buffer stalled
+    (the management API read twice, a sample apart: as many the second time) and, with
+    [schedule], the business queue's messages as overdue past the grace; nothing arrives."""
+    store = tmp_path / "guard.sqlite"
+    topology = make_topology(
+        schedule={"grace": "1s"}, idempotency={"store": "sqlite", "path": str(store)}
+    )
+    with declared(topology, tmp_path, broker_url) as ops:
+        ops.path.write_text(
+            toml_for(topology)
+            + f'[idempotency]\nstore = "sqlite"\npath = "{store}"\n[schedule]\ngrace = "1s"\n',
+            encoding="utf-8",
+        )
+        n = ops.names
+        buffer, business = n.tier_queue("1s"), n.business_queue("push")
+        channel = ops.conn.channel()
+        channel.exchange_delete(n.due_exchange())
+        channel.close()
+        with Publisher.connect(topology, broker_url) as publisher:
+            for i in range(3):
+                publisher.publish_delayed({"i": i}, queue="push", tier="1s", message_id=f"s{i}")
+
+        def pending() -> int:
+            rows = get_json(management, "queues/%2F?columns=name,messages_dlx")
+            return next((int(r.get("messages_dlx") or 0) for r in rows if r["name"] == buffer), 0)
+
+        wait_for(lambda: pending() >= 3, timeout=40, what="3 dead letters pending", interval=1)
+        checked = ops.run("status", "--json", "--check")
+        assert checked.exit_code == EXIT_ATTENTION, checked.stderr
+        data = json.loads(checked.stdout)
+        rows = {r["name"]: r for r in data["queues"]}
+        stalled = rows[buffer]
+        assert (stalled["dead_lettering"], stalled["dead_lettering_again"]) == (3, 3)
+        assert stalled["dead_letters_stalled"] is True
+        assert stalled["attention"] is True
+        assert stalled["ready"] == 0  # nothing shows in the queue's depth
+        assert any(note.startswith("stalled: 3 dead-lettered") for note in stalled["notes"])
+        assert rows[business]["overdue"] == 3, data["notes"]
+        assert rows[business]["attention"] is True
+        subjects = {item["subject"] for item in data["attention_items"]}
+        assert {buffer, business} <= subjects
+        assert ops.count(business) == 0  # nothing arrived
+        # the other buffer, with nothing pending, is not flagged
+        other = rows[n.tier_queue("3s")]
+        assert not other["dead_letters_stalled"]
+        assert other["dead_lettering_again"] is None
 
 
 def test_status_without_amqp_reads_the_management_api(

@@ -37,6 +37,7 @@ class Run:
     attempt: int
     lateness_ms: int  # ctx.lateness_ms: how long after its copy was due it ran
     effect: bool  # the handler returned (its effect is done); False: it raised
+    swept: bool = False  # the copy the schedule's sweeper republished (rd-tier "now")
 
 
 @dataclass(frozen=True, slots=True)

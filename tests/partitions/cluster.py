@@ -279,6 +279,7 @@ class PartitionCluster:
     cookie: str = field(init=False)
     cut_pairs: set[frozenset[int]] = field(init=False, default_factory=set)
     restarts_after_heal: int = 0
+    partitioned_after_heal: int = 0  # times Mnesia still reported a partition (3.x)
     procs: list[subprocess.Popen[bytes]] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -540,14 +541,29 @@ class PartitionCluster:
         return ",".join(sorted("-".join(map(str, sorted(p))) for p in self.cut_pairs)) or "none"
 
     def recover(self, timeout: float = 60.0) -> None:
-        """After heal: wait until one cluster runs again. A member that does not come back
-        within `timeout` (RabbitMQ 3.10 can hang in boot after pause_minority,
-        rabbitmq-server #6034) is killed and started again, once."""
-        try:
-            self.wait_clustered(timeout)
-            return
-        except HarnessError:
-            pass
+        """After heal: wait until one cluster runs again. On 3.x, a member that Mnesia
+        still reports partitioned from others (`cluster_partition_handling = ignore`
+        leaves the halves apart after the network heals; `autoheal` restarts one itself)
+        is restarted, as an operator would: the one partitioned from the most others.
+        A member that does not come back within `timeout` (RabbitMQ 3.10 can hang in boot
+        after pause_minority, rabbitmq-server #6034) is killed and started again, once.
+        Both count in `restarts_after_heal`."""
+        for _ in range(self.size):
+            try:
+                self.wait_clustered(timeout)
+            except HarnessError:
+                if not self.partitions():
+                    break
+            split = self.partitions()
+            if not split:
+                return
+            self.partitioned_after_heal += 1
+            worst = max(self.members, key=lambda m: len(split.get(m.node_name, ())))
+            self.restarts_after_heal += 1
+            worst.kill()
+            time.sleep(1)
+            worst.start()
+            self.wait_answers([worst])
         want = sorted(m.node_name for m in self.members)
         views = {m.index: m.running_nodes() for m in self.members}
         for m in self.members:
@@ -559,6 +575,24 @@ class PartitionCluster:
         self.wait_answers(self.members)
         self.wait_clustered(BOOT_TIMEOUT_S)
         self.wait_amqp()
+
+    def partitions(self) -> dict[str, list[str]]:
+        """Node -> the nodes Mnesia says it is partitioned from, as the members answer
+        (3.x; {} when none is, or on 4.x, which has no Mnesia partitions)."""
+        if self.major >= 4:
+            return {}
+        found: dict[str, list[str]] = {}
+        for m in self.members:
+            try:
+                data = json.loads(m.ctl("cluster_status", "--formatter", "json", timeout=30))
+            except (HarnessError, ValueError, subprocess.TimeoutExpired):
+                continue
+            split = data.get("partitions") or {}
+            if isinstance(split, dict):
+                for node, others in split.items():
+                    if others:
+                        found[str(node)] = sorted(str(o) for o in others)
+        return found
 
     def transfer_leadership(self, queue: str) -> str:
         """Move the leadership of quorum queue `queue` (vhost /) to another member: its new
@@ -596,6 +630,30 @@ class PartitionCluster:
         )
         self.members[0].ctl("eval", f"[{calls}].", timeout=120)
         return {q: t.node_name for q, (_c, t) in moves.items()}
+
+    def dead_letters_held(self, queues: Sequence[str]) -> dict[str, int]:
+        """Queue -> the dead letters its leader still holds (dead-lettered, not confirmed
+        by the target: rabbit_fifo's num_discarded + num_discard_checked_out), asked of
+        each quorum queue's leader itself: unlike the management API's messages_dlx,
+        which RabbitMQ 3.10 stops reporting for the queues of a node after a partition.
+        -1 for a queue its leader did not answer for; queues without a leader left out."""
+        leaders = self.leaders()
+        asked = [(q, leaders[q]) for q in queues if leaders.get(q)]
+        if not asked:
+            return {}
+        pairs = ", ".join(f"{{'%2F_{q}', '{n}'}}" for q, n in asked)
+        expr = (
+            "[try {ok, {_, O}, _} = rpc:call(N, ra, local_query, [{R, N}, "
+            "fun rabbit_fifo:overview/1], 10000), maps:get(num_discarded, O, 0) + "
+            "maps:get(num_discard_checked_out, O, 0) catch _:_ -> -1 end "
+            f"|| {{R, N}} <- [{pairs}]]."
+        )
+        for m in self.members:
+            with contextlib.suppress(HarnessError, subprocess.TimeoutExpired):
+                out = " ".join(m.ctl("eval", expr, timeout=120).split()).strip("[] ")
+                counts = [int(x) for x in out.split(",") if x.strip()]
+                return {q: n for (q, _), n in zip(asked, counts, strict=True)}
+        return {q: -1 for q, _ in asked}
 
     def leaders(self) -> dict[str, str]:
         """Queue name -> the node leading it (quorum queues), as a running member says."""

@@ -88,3 +88,24 @@ def test_quantile_is_nearest_rank() -> None:
     assert quantile(list(range(1, 101)), 0.5) == 50
     assert quantile(list(range(1, 101)), 0.99) == 99
     assert quantile(list(range(1, 101)), 1.0) == 100
+
+
+def test_messages_a_sweeper_copy_settled_first() -> None:
+    """A run with [schedule]: the messages whose first run to the end (the effect, or
+    the last attempt) was the copy the sweeper republished; a late original after it is
+    a duplicate the guard drops, never a second settling run."""
+    from partitions.workload import Recorder
+
+    rec = Recorder()
+    for r in (
+        Run("a", 1, 10, True),  # the original
+        Run("b", 1, 40_000, True, swept=True),  # stalled: only the sweeper's copy came
+        Run("c", 1, 10, False),  # failed once, then the retry...
+        Run("c", 2, 35_000, True, swept=True),  # ... was stalled, the sweeper sent it
+        Run("d", 1, 20_000, True),  # late, but its original came first
+        Run("d", 1, 20_100, True, swept=True),  # (a copy the guard would drop)
+        Run("p", 3, 30_000, False, swept=True),  # its last attempt: parked
+    ):
+        rec.run(r)
+    assert rec.settled_by_sweeper() == {"b", "c", "p"}
+    assert rec.settled() == {"a", "b", "c", "d", "p"}

@@ -114,6 +114,82 @@ def test_messages_being_dead_lettered_are_noted() -> None:
     assert all(r.dead_lettering is None for r in status_rows(t, None, None))
 
 
+def test_dead_letters_pending_in_two_samples_are_stalled() -> None:
+    """The RabbitMQ 3.10 stall (docs/reliability.md#network-partitions): a buffer's dead
+    letters its destination never confirms stay in `messages_dlx`. One sample cannot
+    tell them from dead letters in flight; a second sample a tick later, with as many
+    or more, can: attention. Fewer the second time is a burst being confirmed."""
+    t = topology()
+    buffer = t.names.tier_queue("3s")
+    api = {spec.name: stats(A, (A, B, C), (A, B, C)) for spec in desired(t).queues}
+    api[buffer] = QueueCounts(0, 0, 0, A, (A, B, C), (A, B, C), 4)
+    later = dict(api)
+    rows = {r.name: r for r in status_rows(t, None, api, api_again=later)}
+    stalled = rows[buffer]
+    assert stalled.dead_letters_stalled
+    assert stalled.attention
+    assert stalled.notes == [
+        "stalled: 4 dead-lettered and not confirmed by their destination, 12s apart"
+    ]
+    assert "move this buffer's leadership" in stalled.hints[0]
+    assert stalled.as_json()["dead_letters_stalled"] is True
+    assert not any(r.attention for name, r in rows.items() if name != buffer)
+    # a burst being confirmed: fewer the second time
+    later[buffer] = QueueCounts(0, 0, 0, A, (A, B, C), (A, B, C), 1)
+    draining = {r.name: r for r in status_rows(t, None, api, api_again=later)}[buffer]
+    assert not draining.dead_letters_stalled
+    assert not draining.attention
+    assert draining.notes == ["4 dead-lettered, not yet confirmed by their destination"]
+    # not read again: one sample, a note only
+    once = {r.name: r for r in status_rows(t, None, api)}[buffer]
+    assert not once.attention
+    assert once.dead_lettering_again is None
+    # a business queue's own dead letters (to its parking lot) are not a buffer's stall
+    business = t.names.business_queue("orders")
+    api[business] = QueueCounts(0, 0, 0, A, (A, B, C), (A, B, C), 4)
+    rows = {r.name: r for r in status_rows(t, None, api, api_again=dict(api))}
+    assert not rows[business].attention
+
+
+def test_a_quorum_queue_without_figures_is_noted() -> None:
+    """RabbitMQ 3.10 after a partition: the API lists a queue (leader, members) with no
+    message figures at all; its stalled dead letters cannot show."""
+    t = topology()
+    buffer = t.names.tier_queue("3s")
+    api = {spec.name: stats(A, (A, B, C), (A, B, C)) for spec in desired(t).queues}
+    api[buffer] = counts_from_api(
+        {"name": buffer, "type": "quorum", "leader": C, "members": [A, B, C], "online": [A, B, C]}
+    )
+    rows = {r.name: r for r in status_rows(t, None, api)}
+    assert rows[buffer].no_figures
+    assert rows[buffer].notes == ["no message figures in the management API"]
+    assert not rows[buffer].attention
+    assert not any(r.no_figures for name, r in rows.items() if name != buffer)
+
+
+def test_overdue_scheduled_messages_need_attention() -> None:
+    """With [schedule]: records still scheduled past due + grace were not delivered
+    (whatever the broker's figures say); the sweeper republishes them."""
+    t = topology()
+    business = t.names.business_queue("orders")
+    api = {spec.name: stats(A, (A, B, C), (A, B, C)) for spec in desired(t).queues}
+    rows = {
+        r.name: r for r in status_rows(t, None, api, overdue={"orders": 3}, overdue_grace_ms=60_000)
+    }
+    row_ = rows[business]
+    assert row_.overdue == 3
+    assert row_.attention
+    assert row_.notes == ["overdue: 3 scheduled message(s) not delivered 1m past their due time"]
+    assert "--queue orders --state scheduled --due-before -1m" in row_.hints[0]
+    assert row_.as_json()["overdue"] == 3
+    assert not any(r.attention for name, r in rows.items() if name != business)
+    none = {r.name: r for r in status_rows(t, None, api, overdue={}, overdue_grace_ms=60_000)}
+    assert none[business].overdue == 0
+    assert not none[business].attention
+    unread = {r.name: r for r in status_rows(t, None, api)}
+    assert unread[business].overdue is None
+
+
 def test_majority_arithmetic() -> None:
     assert not row(members=(A,), online=(A,)).majority_lost
     assert row(members=(A,), online=()).majority_lost

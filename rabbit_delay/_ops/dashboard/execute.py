@@ -82,6 +82,7 @@ class BrokerBackend:
             management_url=self.management_url,
             no_management=self.no_management,
             name=NAME,
+            recheck_s=0,  # a page refresh does not wait; the next one shows it again
         )
 
     # -- parking lots -----------------------------------------------------------------------

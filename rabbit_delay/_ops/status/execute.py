@@ -6,19 +6,31 @@ and per exchange (present or not), and a peek at the head of each non-empty buff
 the age of its oldest message, where peeking cannot cost that message (see
 `BrokerInfo.peeks_quorum_buffers_freely`). The management API, once proven to serve
 the same broker, adds unacked messages, placement, messages being dead-lettered and the
-plugin's store; without AMQP it stands in for the counts.
+plugin's store; without AMQP it stands in for the counts. When a buffer shows dead
+letters its destination has not confirmed, the API is read again a sample later
+(`DEAD_LETTER_RECHECK_S`): still pending, not fewer, they are stalled. With [schedule],
+the schedule's records still scheduled past their due time plus the grace are counted
+per business queue (overdue), from the idempotency store.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
 
 import pika
 import pika.exceptions
 
 from rabbit_delay._broker import BrokerInfo, QueueCounts
 from rabbit_delay._envelope import now_ms
-from rabbit_delay._errors import AccessRefused, BrokerUnavailable, ManagementUnavailable
+from rabbit_delay._errors import (
+    AccessRefused,
+    BrokerUnavailable,
+    ManagementUnavailable,
+    RabbitDelayError,
+)
 from rabbit_delay._io.management import (
     access_for,
     read_broker_version,
@@ -26,10 +38,15 @@ from rabbit_delay._io.management import (
     read_exchange_names,
     read_queue_counts,
 )
+from rabbit_delay._names import CASCADE_KIND, TIER_KIND
 from rabbit_delay._ops.queues import passive_counts, peek_head
 from rabbit_delay._ops.status.rules import (
     AGE_FROM_API,
+    BUFFER_ROLES,
+    DEAD_LETTER_RECHECK_S,
+    OVERDUE_LIMIT,
     PluginStore,
+    QueueRole,
     Status,
     may_peek_buffers,
     nonempty_buffers,
@@ -87,6 +104,36 @@ def head_times(
     return heads, None
 
 
+def overdue_records(topology: Topology, now_ms: int) -> tuple[dict[str, int] | None, str]:
+    """With [schedule] (and a store other processes share): per business queue, how many
+    records are still scheduled past their due time plus the grace (at most
+    `OVERDUE_LIMIT` each). None and why when not read (no schedule, the memory store, a
+    store error: its kind only, a store's message may carry its URL)."""
+    if topology.schedule is None:
+        return None, ""
+    if topology.idempotency.store == "memory":
+        return None, "overdue records not read: the memory store is one process's"
+    from rabbit_delay._schedule_api.sync import Schedule
+
+    store = topology.idempotency
+    if store.store == "sqlite" and not Path(store.path).exists():
+        return None, f"overdue records not read: no SQLite file at {store.path} yet"
+
+    cutoff = datetime.fromtimestamp((now_ms - topology.schedule.grace) / 1000, UTC)
+    try:
+        with Schedule(topology) as schedule:
+            return {
+                queue: len(
+                    schedule.list(
+                        queue=queue, state="scheduled", due_before=cutoff, limit=OVERDUE_LIMIT
+                    )
+                )
+                for queue in topology.queues
+            }, ""
+    except (RabbitDelayError, OSError) as exc:
+        return None, f"overdue records not read: the schedule's store failed ({type(exc).__name__})"
+
+
 def read_status(
     topology: Topology,
     urls: Sequence[str],
@@ -94,12 +141,15 @@ def read_status(
     management_url: str | None = None,
     no_management: bool = False,
     name: str = "rabbit-delay status",
+    recheck_s: float = DEAD_LETTER_RECHECK_S,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> Status:
     """Everything `status` shows for `topology`, read from the first of `urls` that
     answers (and its management API): see `rabbit_delay._ops.status.rules`.
 
     Without an AMQP connection, the management API (unverified: there is nothing to
-    compare it with) stands in for the counts. Raises BrokerUnavailable when neither
+    compare it with) stands in for the counts. When a buffer has dead letters pending,
+    the API is read again after `recheck_s` (0: not). Raises BrokerUnavailable when neither
     answers, ConfigError for a bad URL, AccessRefused when a named management URL
     refuses the login or a passive declare is refused.
     """
@@ -159,6 +209,19 @@ def read_status(
     if live is None and api is None:
         assert amqp_error is not None
         raise BrokerUnavailable(f"{amqp_error}; management API {api_error}")
+    api_again: dict[str, QueueCounts] | None = None
+    if (
+        endpoint is not None
+        and api is not None
+        and recheck_s > 0
+        and _dead_letters_pending(topology, api)
+    ):
+        sleep(recheck_s)
+        try:
+            api_again = read_queue_counts(endpoint, topology.names.prefix + ".")
+        except ManagementUnavailable:
+            api_again = None
+    overdue, overdue_note = overdue_records(topology, checked_at)
 
     notes = []
     if api is None:
@@ -173,10 +236,29 @@ def read_status(
         )
     if refused is not None:
         notes.append(f"buffer ages not read: {refused}")
+    if overdue_note:
+        notes.append(overdue_note)
     plugin = None
     if topology.plugin is not None:
         plugin = PluginStore(topology.names.plugin_exchange(), delayed)
-    rows = status_rows(topology, live, api, heads=heads, now_ms=checked_at)
+    rows = status_rows(
+        topology,
+        live,
+        api,
+        heads=heads,
+        now_ms=checked_at,
+        api_again=api_again,
+        overdue=overdue,
+        overdue_grace_ms=topology.schedule.grace if topology.schedule is not None else None,
+    )
+    blind = [r.name for r in rows if r.no_figures and r.role in (*BUFFER_ROLES, QueueRole.BUSINESS)]
+    if blind:
+        notes.append(
+            f"the management API has no message figures for {len(blind)} quorum queue(s) "
+            "(RabbitMQ 3.10 after a partition: docs/reliability.md#network-partitions): "
+            "dead letters stalled in them do not show here"
+            + ("" if overdue is not None else "; with [schedule] they show as overdue")
+        )
     age_from_api = any(row.age_source == AGE_FROM_API for row in rows)
     return Status(
         namespace=topology.names.prefix,
@@ -207,4 +289,13 @@ def read_status(
     )
 
 
-__all__ = ["head_times", "passive_exchanges", "read_status"]
+def _dead_letters_pending(topology: Topology, api: dict[str, QueueCounts]) -> bool:
+    """Whether a tier buffer or cascade level shows dead letters not yet confirmed."""
+    return any(
+        counts.dead_lettering
+        for name, counts in api.items()
+        if topology.names.parse(name)[0] in (TIER_KIND, CASCADE_KIND)
+    )
+
+
+__all__ = ["head_times", "overdue_records", "passive_exchanges", "read_status"]

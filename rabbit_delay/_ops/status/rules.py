@@ -12,7 +12,17 @@ What needs attention (`Status.attention`, exit 3 under `status --check`):
   - a holding queue ([held]) with ready messages and no consumer: no holder runs, its
     messages wait past their due time;
   - a buffer whose oldest message is older than its TTL plus a margin: stuck;
+  - a quorum buffer whose dead letters its destination has not confirmed, in two
+    samples of the management API `DEAD_LETTER_RECHECK_S` apart, no fewer the second
+    time: stalled (the RabbitMQ 3.10 stall after a partition, docs/reliability.md);
+  - with [schedule]: a business queue with messages still scheduled past their due
+    time plus the grace (overdue: the broker did not deliver them; the workers'
+    sweeper republishes them);
   - a quorum queue with less than a majority of its members online.
+
+A quorum queue the management API lists without any message figures (RabbitMQ 3.10
+stops reporting them for the queues of a node after a partition) is noted: dead letters
+stalled in it do not show there, only as overdue records of the schedule.
 """
 
 from __future__ import annotations
@@ -62,6 +72,13 @@ BUFFER_ROLES = (QueueRole.BUFFER, QueueRole.CASCADE)
 STUCK_MARGIN_MS = 10_000
 
 
+# How long `status` waits before reading the management API again when a buffer shows
+# dead letters not yet confirmed (`messages_dlx`): longer than a quorum queue's metrics
+# tick (5 s) plus the API's collection interval (5 s), so the second reading is another
+# sample. A normal dead letter is confirmed within milliseconds; a burst drains.
+DEAD_LETTER_RECHECK_S = 12.0
+
+
 def stuck_after_ms(ttl_ms: int) -> int:
     """The age past which a buffer with this TTL counts as stuck."""
     return ttl_ms + max(STUCK_MARGIN_MS, ttl_ms // 10)
@@ -72,6 +89,9 @@ AGE_FROM_PEEK = "peek"  # basic.get + requeue of the head: its x-death time or t
 AGE_FROM_API = "management API"  # head_message_timestamp (classic queues only)
 
 DECLARE_HINT = "run `rabbit-delay declare` to create them"
+
+# The most overdue records `status` counts per queue (one page of the schedule).
+OVERDUE_LIMIT = 1000
 
 
 @dataclass
@@ -95,6 +115,15 @@ class QueueRow:
     online: tuple[str, ...] | None = None
     # Dead-lettered by this quorum queue, not yet confirmed by the target (management API).
     dead_lettering: int | None = None
+    # The same, in a second sample of the API read DEAD_LETTER_RECHECK_S later (None: not
+    # read again: none were pending the first time, or the API did not say).
+    dead_lettering_again: int | None = None
+    # A quorum queue the API lists without message figures (3.10 after a partition).
+    no_figures: bool = False
+    # Business queues with [schedule]: records still scheduled past due + grace (None:
+    # not read), and the grace that was allowed.
+    overdue: int | None = None
+    overdue_grace_ms: int | None = None
     # Buffers: how long the oldest message has been in the queue (None: empty, or the
     # broker cannot tell), and from where that is known.
     oldest_age_ms: int | None = None
@@ -124,6 +153,19 @@ class QueueRow:
         return len(self.members) - len(self.offline) < len(self.members) // 2 + 1
 
     @property
+    def dead_letters_stalled(self) -> bool:
+        """Dead letters of a buffer its destination confirmed in neither of two samples,
+        as many or more the second time (a burst being confirmed goes down)."""
+        first, again = self.dead_lettering, self.dead_lettering_again
+        return (
+            self.role in BUFFER_ROLES
+            and first is not None
+            and again is not None
+            and first > 0
+            and again >= first
+        )
+
+    @property
     def stuck(self) -> bool:
         """A buffer whose oldest message has outstayed its TTL (plus the margin)."""
         if self.role not in BUFFER_ROLES or self.ttl_ms is None or self.oldest_age_ms is None:
@@ -139,6 +181,10 @@ class QueueRow:
             "members": list(self.members) if self.members is not None else None,
             "online": list(self.online) if self.online is not None else None,
             "dead_lettering": self.dead_lettering,
+            "dead_lettering_again": self.dead_lettering_again,
+            "dead_letters_stalled": self.dead_letters_stalled,
+            "no_figures": self.no_figures,
+            "overdue": self.overdue,
             "held": self.held,
             "next_due_at": iso_ms(self.next_due_at_ms) if self.next_due_at_ms else None,
             "oldest_age_ms": self.oldest_age_ms,
@@ -171,6 +217,9 @@ def status_rows(
     *,
     heads: Mapping[str, int | None] | None = None,
     now_ms: int = 0,
+    api_again: Mapping[str, QueueCounts] | None = None,
+    overdue: Mapping[str, int] | None = None,
+    overdue_grace_ms: int | None = None,
 ) -> list[QueueRow]:
     """One row per queue of the topology, flagged.
 
@@ -179,7 +228,9 @@ def status_rows(
     members and online members, and stands in when `live` is None. `heads` gives, per
     buffer whose head was peeked, when that oldest message entered it (epoch ms, None
     when the message does not say); without a peek a classic buffer's age comes from
-    the API's `head_message_timestamp`. Ages count to `now_ms`.
+    the API's `head_message_timestamp`. Ages count to `now_ms`. `api_again` is a later
+    sample of the API (read when a buffer had dead letters pending); `overdue` the
+    schedule's records past due + `overdue_grace_ms`, by logical queue name.
     """
     rows: list[QueueRow] = []
     for spec in desired(topology).queues:
@@ -209,6 +260,18 @@ def status_rows(
             stats.online if stats is not None else None,
             stats.dead_lettering if stats is not None else None,
         )
+        if api_again is not None and row.dead_lettering:
+            again = api_again.get(spec.name)
+            row.dead_lettering_again = again.dead_lettering if again is not None else None
+        row.no_figures = (
+            stats is not None
+            and stats.members is not None
+            and stats.ready is None
+            and stats.dead_lettering is None
+        )
+        if role is QueueRole.BUSINESS and overdue is not None:
+            row.overdue = overdue.get(topology.names.parse(spec.name)[1], 0)
+            row.overdue_grace_ms = overdue_grace_ms
         if role in BUFFER_ROLES and exists and ready:
             _age(row, heads, stats, now_ms)
         if role is QueueRole.HOLDING and stats is not None and stats.delayed is not None:
@@ -279,9 +342,33 @@ def _flag(topology: Topology, row: QueueRow) -> None:
             "dead-letter exchange exists (`rabbit-delay plan`) and the broker's log (a quorum "
             "queue whose messages do not expire: rabbitmq-server issue #10718)",
         )
-    if row.dead_lettering:
+    if row.dead_letters_stalled:
+        needs(
+            f"stalled: {row.dead_lettering_again} dead-lettered and not confirmed by their "
+            f"destination, {DEAD_LETTER_RECHECK_S:.0f}s apart",
+            "dead letters its destination never confirmed: they wait in the buffer, not "
+            "delivered (RabbitMQ 3.10 after a partition or a lost leader, "
+            "docs/reliability.md#network-partitions). Check the destination queue exists "
+            "and accepts messages; on 3.10 move this buffer's leadership to another node "
+            "(its new leader sends them again), or let the schedule's sweeper republish "
+            "them ([schedule])",
+        )
+    elif row.dead_lettering:
         row.notes.append(
             f"{row.dead_lettering} dead-lettered, not yet confirmed by their destination"
+        )
+    if row.no_figures:
+        row.notes.append("no message figures in the management API")
+    if row.overdue:
+        grace = format_ms(row.overdue_grace_ms or 0)
+        _, queue = topology.names.parse(row.name)
+        shown = f"{row.overdue}+" if row.overdue >= OVERDUE_LIMIT else str(row.overdue)
+        needs(
+            f"overdue: {shown} scheduled message(s) not delivered {grace} past their due time",
+            "the workers' sweeper republishes them (docs/schedule.md#the-sweeper); if they "
+            "stay, no worker runs or the broker holds them (a stalled buffer: "
+            "docs/reliability.md#network-partitions); see `rabbit-delay scheduled list "
+            f"--queue {queue} --state scheduled --due-before -{grace}`",
         )
     if row.majority_lost:
         online = len(row.members or ()) - len(row.offline)
@@ -397,7 +484,9 @@ __all__ = [
     "AGE_FROM_API",
     "AGE_FROM_PEEK",
     "BUFFER_ROLES",
+    "DEAD_LETTER_RECHECK_S",
     "HUMAN_ROLES",
+    "OVERDUE_LIMIT",
     "STUCK_MARGIN_MS",
     "Attention",
     "PluginStore",
