@@ -114,6 +114,9 @@ def _delete_on(node: ScratchNode, topology: Topology) -> None:
 
 
 @pytest.mark.parametrize("how", ["derived", "--management-url"])
+# One xdist worker runs both, so they share the module's second broker (apart, each
+# worker started one).
+@pytest.mark.xdist_group("second-broker")
 def test_declare_on_a_second_broker_never_reads_another_brokers_management_api(
     second_broker: ScratchNode,
     make_topology: Any,

@@ -5,7 +5,9 @@ Timing bounds, all on this machine's clock (the broker runs here too):
   publish time plus the requested delay rounded UP to the resolution;
 - late by at most LATE_BOUND_MS after `rd-due-at`, so at most one resolution +
   LATE_BOUND_MS after the requested time. Measured here: p99 40-130 ms for 300 random
-  delays on an idle 2-core machine; the bound leaves room for a busy one.
+  delays on an idle 2-core machine, a maximum of 846 ms beside three other test runs; the
+  bound leaves room for a busy one, and stays under the 1 s resolution: a message that
+  went through one level too many is a whole resolution late.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ __all__ = ["scratch_node"]  # the fixture, imported to be found by pytest
 
 pytestmark = pytest.mark.integration
 
-LATE_BOUND_MS = 750
+LATE_BOUND_MS = 950
 
 
 def declared(url: str, topology: Topology) -> Topology:

@@ -528,12 +528,18 @@ def test_10000_parked_in_51_queues_fast_and_unchanged(
         "\ndashboard, 51 queues, 10,000 parked:",
         {k: f"{v * 1000:.0f} ms" for k, v in figures.items()},
     )
-    # Generous bounds (a loaded CI machine); the figures are in docs/dashboard.md.
-    for name, took in figures.items():
-        assert took < (20.0 if "peek" in name or "broker" in name else 2.0), (name, took)
     # Browsing lost and reordered nothing.
     assert run.count(lot) == PARKED
+    started = time.perf_counter()
     assert drain_ids(broker_url, lot, PARKED) == ids
+    raw_s = time.perf_counter() - started  # pika alone, reading the same 10,000 now
+    # Generous bounds (a loaded CI machine); the figures are in docs/dashboard.md. What
+    # reads the broker may take 20 s, or 4 times what pika alone took to read the lot
+    # here (a loaded machine slows both: seen 22 s beside three test runs).
+    slow_s = max(20.0, 4 * raw_s)
+    for name, took in figures.items():
+        bound = slow_s if "peek" in name or "broker" in name else 2.0
+        assert took < bound, (name, took, f"pika read the lot in {raw_s:.1f}s")
 
 
 def test_a_raw_pika_check_that_nothing_is_consuming_the_lot(

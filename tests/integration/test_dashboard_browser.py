@@ -34,7 +34,8 @@ from rabbit_delay.sync import Publisher
 
 from .test_dashboard import Start, dashboards, park
 
-pytestmark = pytest.mark.integration
+# One xdist worker runs the module: one Chromium (the module's `browser`) for both tests.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("browser")]
 
 CHROMIUM = "/usr/bin/chromium"
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "images" / "dashboard.png"

@@ -21,18 +21,18 @@ from .test_ops import Ops, cli
 pytestmark = pytest.mark.integration
 
 
-def toml(topology: Topology, shards: int = 1) -> str:
+def toml(topology: Topology, shards: int = 1, longer: str = "3s") -> str:
     scaling = f'[scaling]\ntier_shards = {{ "1s" = {shards} }}\n' if shards > 1 else ""
     return (
         f'namespace = "{topology.namespace}"\nversion = {topology.version}\n'
-        '[tiers]\n1s = "1s"\n3s = "3s"\n'
+        f'[tiers]\n1s = "1s"\n{longer} = "{longer}"\n'
         '[queues."orders.cancel"]\n[queues.push]\nbindings = ["push.any"]\n' + scaling
     )
 
 
-def write(tmp_path: Path, topology: Topology, shards: int = 1) -> Path:
+def write(tmp_path: Path, topology: Topology, shards: int = 1, longer: str = "3s") -> Path:
     path = tmp_path / f"{topology.names.prefix}.toml"
-    path.write_text(toml(topology, shards), encoding="utf-8")
+    path.write_text(toml(topology, shards, longer), encoding="utf-8")
     return path
 
 
@@ -167,13 +167,15 @@ def test_force_deletes_with_the_messages_and_the_retired_shards(
 ) -> None:
     """Tier 1s had 2 shards, the topology now has 1: shard 1 is retired (`extra` in a
     plan), and deleted with the version; --force deletes a buffer that holds a message."""
-    topology = make_topology(scaling={"tier_shards": {"1s": 2}})
+    # The message waits in the 1h tier: in its buffer however long the two dry runs take (a
+    # 3s tier's had moved on to its queue under load).
+    topology = make_topology(tiers={"1s": "1s", "1h": "1h"}, scaling={"tier_shards": {"1s": 2}})
     with pika.BlockingConnection(pika.URLParameters(broker_url)) as conn:
         declare(conn, topology)
-    lowered = write(tmp_path, topology, shards=1)
+    lowered = write(tmp_path, topology, shards=1, longer="1h")
     retired = topology.names.tier_queue("1s", 1)
     with Publisher(topology, broker_url) as publisher:
-        publisher.publish_delayed({"k": 1}, "3s", queue="push")
+        publisher.publish_delayed({"k": 1}, "1h", queue="push")
     for management in ([], ["--no-management"]):  # retired shards listed, or probed
         code, dry = run_delete(lowered, broker_url, "--dry-run", *management)
         assert code == 1
@@ -182,7 +184,7 @@ def test_force_deletes_with_the_messages_and_the_retired_shards(
             {"kind": "exchange", "name": retired, "extra": True},
             {"kind": "queue", "name": retired, "extra": True},
         ]
-        assert [b["name"] for b in dry["blocked"]] == [topology.names.tier_queue("3s")]
+        assert [b["name"] for b in dry["blocked"]] == [topology.names.tier_queue("1h")]
     code, data = run_delete(lowered, broker_url, "--force")
     assert code == 0, data
     deleted = {f"{d['kind']} {d['name']}" for d in data["deleted"]}

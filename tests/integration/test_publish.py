@@ -42,6 +42,9 @@ from ._publishers import (
 )
 
 pytestmark = pytest.mark.integration
+# The tests of the module's `timed` run: on one xdist worker, so it publishes and waits once
+# per kind (apart, each worker that got one of them ran it again).
+TIMED = pytest.mark.xdist_group("publish-timed")
 
 LATE_MS = 500
 KINDS = ["sync", "aio"]
@@ -145,6 +148,7 @@ def timed(request: pytest.FixtureRequest, broker_url: str) -> Iterator[TimedRun]
         delete_topology(broker_url, topology)
 
 
+@TIMED
 def test_each_message_arrives_in_its_own_queue_only(timed: TimedRun) -> None:
     where = {
         "orders-3s": "orders.cancel",
@@ -160,6 +164,7 @@ def test_each_message_arrives_in_its_own_queue_only(timed: TimedRun) -> None:
     )
 
 
+@TIMED
 def test_never_early_and_at_most_500ms_late(timed: TimedRun) -> None:
     for label in timed.ids:
         arrival = timed.only(label)
@@ -171,6 +176,7 @@ def test_never_early_and_at_most_500ms_late(timed: TimedRun) -> None:
         assert 0 <= arrival.lateness_ms <= LATE_MS, f"{label}: {arrival.lateness_ms} ms late"
 
 
+@TIMED
 def test_a_longer_tier_published_first_does_not_hold_back_a_shorter_one(timed: TimedRun) -> None:
     first, second = timed.only("orders-3s"), timed.only("orders-1s")
     assert timed.published_ms["orders-3s"] <= timed.published_ms["orders-1s"]
@@ -178,6 +184,7 @@ def test_a_longer_tier_published_first_does_not_hold_back_a_shorter_one(timed: T
     assert second.lateness_ms <= LATE_MS
 
 
+@TIMED
 def test_delivered_headers_and_properties(timed: TimedRun) -> None:
     given = timed.only("orders-3s")
     assert given.message_id == "given-id-3s"
@@ -211,6 +218,7 @@ def test_delivered_headers_and_properties(timed: TimedRun) -> None:
     assert raw.headers["trace"] == "abc"
 
 
+@TIMED
 def test_orphan_lands_in_the_catch_all_and_does_not_block_the_buffer(timed: TimedRun) -> None:
     catch_all = timed.topology.names.unroutable_queue()
     assert catch_all == f"{timed.topology.names.prefix}.unroutable"

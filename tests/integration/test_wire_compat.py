@@ -30,7 +30,8 @@ from rabbit_delay._io.management import read_observed
 from rabbit_delay._urls import ManagementEndpoint
 from rabbit_delay.sync import connected, declare, plan
 
-pytestmark = pytest.mark.integration
+# One xdist worker runs the module: the code before issue 20 is read back once.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("old-code")]
 
 BEFORE = "6191a79"  # main before issue 20 (the last commit of the old layout)
 REPO = Path(__file__).resolve().parents[2]

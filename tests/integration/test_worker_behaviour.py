@@ -300,6 +300,9 @@ def timeout_node(broker_url: str) -> Iterator[ScratchNode]:
 
 
 @pytest.mark.slow
+# One xdist worker runs the three kinds, so they share the module's node: apart, each
+# worker started a node of its own (20-25 s each on a loaded machine).
+@pytest.mark.xdist_group("timeout-node")
 def test_a_consumer_the_broker_timed_out_consumes_again(
     kind: str, timeout_node: ScratchNode, caplog: pytest.LogCaptureFixture
 ) -> None:
