@@ -114,3 +114,4 @@ _.undeliverable  # proton Disposition: sent with the `modified` settle
 _.on_start  # proton MessagingHandler event
 _.on_connection_opened  # proton MessagingHandler event
 _.on_link_opened  # proton MessagingHandler event
+_.connected_ms  # HolderStats: read by callers (tests bound lateness from the reconnect)

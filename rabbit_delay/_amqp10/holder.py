@@ -57,6 +57,7 @@ class HolderStats:
     released: int = 0
     released_without_due_time: int = 0
     connects: int = 0
+    connected_ms: int = 0  # when it last connected (epoch ms)
     max_late_ms: int = 0
     late_ms: list[int] = field(default_factory=list)  # the last releases' lateness
 
@@ -215,6 +216,7 @@ class _Handler(MessagingHandler):
             )
             return
         self.holder.stats.connects += 1
+        self.holder.stats.connected_ms = int(time.time() * 1000)
         self.delays = self.holder.backoff.delays()
         event.container.create_receiver(
             event.connection, self.holder.address, name=self.holder.name

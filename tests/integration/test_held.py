@@ -301,8 +301,12 @@ def test_held_messages_survive_a_broker_restart(held_node: ScratchNode) -> None:
     for message_id, r in got.items():
         assert r.arrival_ms >= dues[message_id], f"{message_id} arrived early"
     assert holder.stats.connects >= 2
-    later = sorted(r.arrival_ms - dues[m] for m, r in got.items() if dues[m] > up_ms + 1000)
-    print(f"down {up_ms - down_ms} ms; lateness of those due after: {later}")
+    # Bounded: the lateness of those due a second after the holder was back (not after
+    # the node was: a loaded machine took the holder 1.5 s more to reconnect, and those
+    # due meanwhile waited for it, 2.5 s late).
+    back_ms = max(up_ms, holder.stats.connected_ms)
+    later = sorted(r.arrival_ms - dues[m] for m, r in got.items() if dues[m] > back_ms + 1000)
+    print(f"down {up_ms - down_ms} ms, holder back {back_ms - up_ms} ms later; lateness: {later}")
     if later:
         assert later[-1] <= LATE_BOUND_MS
 

@@ -420,6 +420,19 @@ def test_workers_in_two_processes_sharing_postgresql_run_no_key_twice(
                     stderr=log,
                 )
             )
+
+        # Both consuming before the first publish: on a loaded machine one process once
+        # took every message while the other was still starting.
+        def consumers() -> int:
+            conn = pika.BlockingConnection(pika.URLParameters(broker_url))
+            try:
+                queue = topology.names.business_queue(QUEUE)
+                declared_ok = conn.channel().queue_declare(queue, passive=True)
+                return int(declared_ok.method.consumer_count)
+            finally:
+                conn.close()
+
+        wait_for(lambda: consumers() >= 2, 60, "both workers consuming")
         keys = [f"order-{n}" for n in range(200)]
         with Publisher(topology, broker_url) as publisher:
             bodies = [{"n": n} for n in range(200)]
