@@ -415,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                 store.client.unlink(*keys[i : i + 1_000])
             store.close()
         if "sync-postgres" in contenders or "async-postgres" in contenders:
+            drop_table(pg_url, pg_table + "_schedule")  # the store makes it beside its own
             drop_table(pg_url, pg_table)
 
     medians = {name: statistics.median(values) for name, values in samples.items()}
