@@ -73,10 +73,11 @@ def sql(url: str, statement: str, params: Any = None) -> list[tuple[Any, ...]]:
 
 @pytest.fixture
 def table(pg_url: str) -> Iterator[str]:
-    """A table name of this test alone, dropped afterwards."""
+    """A table name of this test alone, dropped afterwards with the schedule's table
+    the store makes beside it."""
     name = "rd_test_" + uuid.uuid4().hex[:12]
     yield name
-    sql(pg_url, f"DROP TABLE IF EXISTS {name}")
+    sql(pg_url, f"DROP TABLE IF EXISTS {name}_schedule, {name}")
 
 
 # -- the contract: sync and async, caller's clock and server's -----------------------------
@@ -415,7 +416,8 @@ def test_batches_match_the_single_operations(pg_url: str, seed: int) -> None:
     finally:
         one.close()
         two.close()
-        sql(pg_url, f"DROP TABLE IF EXISTS {one_table}, {two_table}")
+        tables = (one_table, two_table)
+        sql(pg_url, "DROP TABLE IF EXISTS " + ", ".join(f"{t}_schedule, {t}" for t in tables))
 
 
 def test_a_failing_item_fails_alone(store: PostgresStore) -> None:
