@@ -83,6 +83,13 @@ class ScheduleContract:
     async def place(self, store: Any, *entries: Entry, now: int = T0) -> list[Any]:
         return list(await store.schedule.place_many(list(entries), now_ms=now))
 
+    async def claim_all(self, store: Any, items: list[Any], now: int = T0) -> list[Any]:
+        """One worker batch of claims (guard key, owner, ref or None): their outcomes."""
+        _, claimed = await store.scheduled_batch(
+            [], items, now_ms=now, lease_ms=LEASE, retention_ms=RETENTION
+        )
+        return list(claimed)
+
     async def claim(self, store: Any, ref: Ref, owner: str = "w1", now: int = T0) -> Any:
         _, claimed = await store.scheduled_batch(
             [],
@@ -202,13 +209,7 @@ class ScheduleContract:
         assert await self.claim(store, Ref(scope, key, 5)) is ClaimResult.CLAIMED
 
     async def test_claims_without_a_ref_are_plain_claims(self, store: Any, scope: str) -> None:
-        _, claimed = await store.scheduled_batch(
-            [],
-            [("plain-a", "w1", None), ("plain-a", "w2", None)],
-            now_ms=T0,
-            lease_ms=LEASE,
-            retention_ms=RETENTION,
-        )
+        claimed = await self.claim_all(store, [("plain-a", "w1", None), ("plain-a", "w2", None)])
         assert claimed == [ClaimResult.CLAIMED, ClaimResult.IN_PROGRESS]
 
     async def test_handled_is_recorded_with_the_guard_and_a_copy_is_a_duplicate(
@@ -336,13 +337,8 @@ class ScheduleContract:
         e = entry(scope, key)
         await self.place(store, e)
         ref = self.held_ref(scope, key, e)
-        _, claimed = await store.scheduled_batch(
-            [],
-            [(f"q:{e.message_id}", "w1", ref), (f"q:{e.message_id}", "w2", ref)],
-            now_ms=T0,
-            lease_ms=LEASE,
-            retention_ms=RETENTION,
-        )
+        guard_key = f"q:{e.message_id}"
+        claimed = await self.claim_all(store, [(guard_key, "w1", ref), (guard_key, "w2", ref)])
         assert claimed == [ClaimResult.CLAIMED, ClaimResult.IN_PROGRESS]
 
     async def test_a_record_claim_handled_makes_copies_duplicates(
